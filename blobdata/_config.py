@@ -1,0 +1,138 @@
+"""Configuration: human sizes and durations, the settings objects, and every environment variable.
+
+Environment variables are read here and only here, when a setting is resolved (never at import):
+
+=============================  ===============================================================
+``BLOBDATA_CACHE_HOME``        where manifests are remembered (default ``$XDG_CACHE_HOME/blobdata``
+                               or ``~/.cache/blobdata``)
+``BLOBDATA_CONCURRENCY``       default requests in flight per process (default 64)
+``AWS_ENDPOINT_URL_S3``,       S3 endpoint (MinIO, SeaweedFS, R2, ...), as boto3 reads them
+``AWS_ENDPOINT_URL``
+``STORAGE_EMULATOR_HOST``      GCS endpoint of an emulator, as google-cloud-storage reads it
+``AZURE_STORAGE_CONNECTION_STRING``  Azure account, as the Azure SDK reads it
+=============================  ===============================================================
+
+Sizes accept ``"100GB"``, ``"512MiB"``, ``"8M"`` or plain ints (bytes); decimal units are powers of
+1000 and ``i`` units powers of 1024. Durations accept ``"30s"``, ``"250ms"``, ``"2m"`` or numbers (seconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Mapping
+
+from ._errors import ConfigError
+
+__all__ = ["FetchOptions", "cache_home", "env", "parse_duration", "parse_size"]
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_size(value: int | float | str, *, name: str = "size") -> int:
+    """Return ``value`` in bytes; accepts ints and strings such as ``"100GB"`` or ``"8MiB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a size such as 100GB, not {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{name} must not be negative, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"{name} must be a size such as 100GB, 512MiB or 1048576, got {value!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def parse_duration(value: int | float | str, *, name: str = "duration") -> float:
+    """Return ``value`` in seconds; accepts numbers and strings such as ``"30s"`` or ``"250ms"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a duration such as 30s, not {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        match = _SIZE_RE.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _DURATION_UNITS:
+            raise ConfigError(f"{name} must be a duration such as 30s or 250ms, got {value!r}")
+        seconds = float(match.group(1)) * _DURATION_UNITS[unit]
+    if seconds <= 0:
+        raise ConfigError(f"{name} must be positive, got {value!r}")
+    return seconds
+
+
+def env(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Read one environment variable (empty counts as unset). The single place blobdata reads them."""
+    value = (os.environ if environ is None else environ).get(name)
+    return value if value else None
+
+
+def cache_home() -> Path:
+    """Directory for remembered listings: ``BLOBDATA_CACHE_HOME`` or the XDG cache directory."""
+    explicit = env("BLOBDATA_CACHE_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = env("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "blobdata"
+
+
+@dataclasses.dataclass(frozen=True)
+class FetchOptions:
+    """How objects are fetched. Keyword-only; sizes and durations accept human forms.
+
+    concurrency:     requests in flight per process (default 64; ``BLOBDATA_CONCURRENCY``).
+    timeout:         per-request deadline in seconds, connect to last byte (default 30).
+    retries:         total attempts per request, the first included (default 6); throttling,
+                     5xx, timeouts and connection resets are retried, 403/404 never.
+    backoff:         first backoff in seconds, doubled each retry with full jitter (default 0.1).
+    max_backoff:     cap of a single backoff in seconds (default 5).
+    part_size:       objects larger than this are fetched as parallel range requests (default 8 MiB).
+    """
+
+    concurrency: int = 64
+    timeout: float = 30.0
+    retries: int = 6
+    backoff: float = 0.1
+    max_backoff: float = 5.0
+    part_size: int = 8 * 1024**2
+
+    def __init__(
+        self,
+        *,
+        concurrency: int | None = None,
+        timeout: float | str = 30.0,
+        retries: int = 6,
+        backoff: float | str = 0.1,
+        max_backoff: float | str = 5.0,
+        part_size: int | str = 8 * 1024**2,
+    ) -> None:
+        if concurrency is None:
+            raw = env("BLOBDATA_CONCURRENCY")
+            try:
+                concurrency = int(raw) if raw else 64
+            except ValueError:
+                raise ConfigError(f"BLOBDATA_CONCURRENCY must be an integer, got {raw!r}") from None
+        if not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
+        if not isinstance(retries, int) or retries < 1:
+            raise ConfigError(f"retries must be an integer >= 1 (attempts, the first included), got {retries!r}")
+        part = parse_size(part_size, name="part_size")
+        if part < 1024 * 64:
+            raise ConfigError(f"part_size must be at least 64KiB, got {part_size!r}")
+        set_ = object.__setattr__
+        set_(self, "concurrency", concurrency)
+        set_(self, "timeout", parse_duration(timeout, name="timeout"))
+        set_(self, "retries", retries)
+        set_(self, "backoff", parse_duration(backoff, name="backoff"))
+        set_(self, "max_backoff", parse_duration(max_backoff, name="max_backoff"))
+        set_(self, "part_size", part)
