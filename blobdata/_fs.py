@@ -1,0 +1,120 @@
+"""Filesystem clients: created lazily in each process, recreated when the process id changes.
+
+fsspec's async filesystems are bound to an event loop and refuse to run after fork, so blobdata
+never shares one across processes: :func:`get_fs` keys its cache by ``os.getpid()`` and builds
+the client on this process's background loop (:mod:`blobdata._loop`). Endpoints written the way
+each ecosystem writes them (``AWS_ENDPOINT_URL_S3``, ``STORAGE_EMULATOR_HOST``,
+``AZURE_STORAGE_CONNECTION_STRING``) are folded into the storage options here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Mapping
+
+import fsspec
+
+from ._config import env
+from ._errors import ConfigError
+from ._loop import get_loop
+
+__all__ = ["get_fs", "options_token", "redact", "resolve_storage_options"]
+
+_SECRET_WORDS = ("secret", "token", "password", "key", "credential", "sas", "connection_string", "signature")
+_lock = threading.Lock()
+_cache: dict[tuple[int, str, str], Any] = {}
+
+
+def resolve_storage_options(protocol: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Storage options for ``protocol`` with the ecosystem's environment endpoints applied.
+
+    Explicit options win over the environment.
+    """
+    opts = dict(storage_options or {})
+    if protocol == "s3":
+        client_kwargs = dict(opts.get("client_kwargs") or {})
+        if "endpoint_url" not in opts and "endpoint_url" not in client_kwargs:
+            endpoint = env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL")
+            if endpoint:
+                opts["endpoint_url"] = endpoint
+        if client_kwargs:
+            opts["client_kwargs"] = client_kwargs
+    elif protocol == "gs":
+        if "endpoint_url" not in opts:
+            host = env("STORAGE_EMULATOR_HOST")
+            if host:
+                opts["endpoint_url"] = host if "://" in host else "http://" + host
+                opts.setdefault("token", "anon")
+    elif protocol == "az":
+        if not any(k in opts for k in ("connection_string", "account_name", "account_url")):
+            conn = env("AZURE_STORAGE_CONNECTION_STRING")
+            if conn:
+                opts["connection_string"] = conn
+            else:
+                account = env("AZURE_STORAGE_ACCOUNT_NAME") or env("AZURE_STORAGE_ACCOUNT")
+                if account:
+                    opts["account_name"] = account
+    return opts
+
+
+def options_token(protocol: str, storage_options: Mapping[str, Any]) -> str:
+    """A stable string identifying (protocol, options), for cache keys. Contains secrets: never log it."""
+    try:
+        return protocol + ":" + json.dumps(storage_options, sort_keys=True, default=repr)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"storage_options for {protocol}:// must be plain values: {exc}") from None
+
+
+def redact(storage_options: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``storage_options`` safe to print: values of secret-looking keys are replaced."""
+    out: dict[str, Any] = {}
+    for k, v in storage_options.items():
+        if isinstance(v, Mapping):
+            out[k] = redact(v)
+        elif any(word in k.lower() for word in _SECRET_WORDS) and k.lower() not in ("key_prefix",):
+            out[k] = "***"
+        else:
+            out[k] = v
+    return out
+
+
+def _fsspec_protocol(protocol: str) -> str:
+    return {"gs": "gcs", "az": "abfs"}.get(protocol, protocol)
+
+
+def get_fs(protocol: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+    """The fsspec filesystem for ``protocol`` in this process (async where the backend is async).
+
+    ``storage_options`` must already be resolved (:func:`resolve_storage_options`).
+    """
+    opts = dict(storage_options or {})
+    key = (os.getpid(), protocol, options_token(protocol, opts))
+    fs = _cache.get(key)
+    if fs is not None:
+        return fs
+    with _lock:
+        fs = _cache.get(key)
+        if fs is not None:
+            return fs
+        for stale in [k for k in _cache if k[0] != key[0]]:
+            del _cache[stale]  # inherited from a parent process: unusable here
+        cls = fsspec.get_filesystem_class(_fsspec_protocol(protocol))
+        kwargs: dict[str, Any] = dict(opts)
+        if getattr(cls, "async_impl", False):
+            kwargs.update(asynchronous=True, loop=get_loop())
+        if protocol == "s3":
+            # s3fs/aiobotocore default to 10 pooled connections; listing runs many prefixes at once.
+            config_kwargs = dict(kwargs.get("config_kwargs") or {})
+            config_kwargs.setdefault("max_pool_connections", 64)
+            kwargs["config_kwargs"] = config_kwargs
+        if protocol == "gs":
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        kwargs["skip_instance_cache"] = True
+        try:
+            fs = cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"invalid storage_options for {protocol}://: {exc}") from None
+        _cache[key] = fs
+        return fs

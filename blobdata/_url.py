@@ -1,0 +1,105 @@
+"""URLs: which store, which bucket, which key; and the guard that keeps keys from becoming paths.
+
+``s3://b/p``, ``gs://b/p`` (``gcs://``), ``az://container/p`` (``abfs://``, ``abfss://``), local paths,
+``file://`` and ``memory://`` are accepted. Keys are kept exactly as the store has them (unicode,
+spaces, ``+``); :func:`safe_relpath` is the one check a key must pass before it names a local file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import posixpath
+from urllib.parse import urlsplit
+
+from ._errors import ConfigError
+
+__all__ = ["CLOUD_PROTOCOLS", "BlobURL", "parse_url", "safe_relpath"]
+
+_ALIASES = {
+    "s3": "s3", "s3a": "s3",
+    "gs": "gs", "gcs": "gs",
+    "az": "az", "abfs": "az", "abfss": "az",
+    "file": "file", "local": "file",
+    "memory": "memory",
+}
+CLOUD_PROTOCOLS = frozenset({"s3", "gs", "az"})
+
+
+@dataclasses.dataclass(frozen=True)
+class BlobURL:
+    """A parsed location. ``prefix`` has no leading or trailing ``/``; for ``file`` it is absolute."""
+
+    protocol: str
+    bucket: str
+    prefix: str
+
+    def __str__(self) -> str:
+        if self.protocol == "file":
+            return "file://" + self.prefix
+        if self.protocol == "memory":
+            return "memory://" + self.prefix
+        return f"{self.protocol}://{self.bucket}/{self.prefix}".rstrip("/")
+
+    @property
+    def fs_path(self) -> str:
+        """The path as the fsspec filesystem of this protocol expects it."""
+        if self.protocol in ("file", "memory"):
+            return self.prefix
+        return f"{self.bucket}/{self.prefix}".rstrip("/")
+
+    def child(self, relkey: str) -> BlobURL:
+        """The location ``relkey`` below this one (``relkey`` is used verbatim, never normalised)."""
+        if not relkey:
+            return self
+        if self.protocol in ("file", "memory"):
+            return BlobURL(self.protocol, "", self.prefix.rstrip("/") + "/" + relkey)
+        return BlobURL(self.protocol, self.bucket, f"{self.prefix}/{relkey}" if self.prefix else relkey)
+
+
+def parse_url(url: str | os.PathLike[str]) -> BlobURL:
+    """Parse a dataset or object URL; raise :class:`ConfigError` naming the URL when it is not usable."""
+    text = os.fspath(url)
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"expected a URL such as s3://bucket/prefix or a local path, got {url!r}")
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        # A plain local path (Windows drive letters are not special-cased here).
+        return BlobURL("file", "", os.path.abspath(os.path.expanduser(text)).rstrip("/") or "/")
+    protocol = _ALIASES.get(scheme.lower())
+    if protocol is None:
+        supported = "s3://, gs://, gcs://, az://, abfs://, file://, memory:// or a local path"
+        raise ConfigError(f"unsupported URL scheme {scheme!r} in {text!r}: use {supported}", url=text)
+    if protocol == "file":
+        path = rest if rest.startswith("/") else "/" + rest
+        return BlobURL("file", "", os.path.abspath(path).rstrip("/") or "/")
+    if protocol == "memory":
+        return BlobURL("memory", "", "/" + rest.strip("/"))
+    bucket, _, prefix = rest.partition("/")
+    if protocol == "az" and "@" in bucket:
+        # abfs://container@account.dfs.core.windows.net/path
+        bucket = bucket.split("@", 1)[0]
+    if not bucket or any(c in bucket for c in "?#\\ "):
+        raise ConfigError(f"no valid bucket name in {text!r}: expected {scheme}://bucket/prefix", url=text)
+    if urlsplit(text).query:
+        raise ConfigError(f"query strings are not supported in {text!r}", url=text)
+    return BlobURL(protocol, bucket, prefix.strip("/"))
+
+
+def safe_relpath(key: str, *, url: str | None = None) -> str:
+    """Return ``key`` if it is safe to append to a local directory, else raise ConfigError.
+
+    Refuses absolute keys, ``..`` and ``.`` segments, empty segments (``//``), NUL and backslashes,
+    so that no object key can name a file outside the directory it is placed in.
+    """
+    where = url or key
+    if not key or key.startswith("/") or "\x00" in key or "\\" in key:
+        raise ConfigError(f"object key {key!r} cannot be used as a local path ({where})", url=url)
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ConfigError(
+            f"object key {key!r} has an empty, '.' or '..' segment and cannot be used as a local path ({where})",
+            url=url,
+        )
+    assert posixpath.normpath(key) == key
+    return key
