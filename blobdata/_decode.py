@@ -1,0 +1,65 @@
+"""Decoding: bytes of one object to a sample, in the DataLoader worker that fetched them.
+
+The default loader decodes with Pillow to RGB straight from memory (no temporary file), accepts only
+the image formats ImageFolder's extensions name (no EPS/PDF/other plugins reached through Pillow's
+content sniffing), and treats Pillow's decompression-bomb guard as an error rather than a warning.
+A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` whose ``name`` is the object
+URL), so loaders written for paths that accept file objects, such as ``PIL.Image.open``, keep working.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Any, Callable
+
+from PIL import Image
+
+from ._errors import DecodeError
+
+__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "default_loader"]
+
+# Pillow format names for ImageFolder's extensions (.jpg .jpeg .png .ppm .pgm .bmp .tif .tiff .webp).
+IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
+
+
+class ObjectFile(io.BytesIO):
+    """The fetched bytes of one object as a binary file; ``name`` and ``url`` are the object URL."""
+
+    def __init__(self, data: bytes, url: str) -> None:
+        super().__init__(data)
+        self.name = url
+        self.url = url
+
+
+def default_loader(file: ObjectFile) -> Image.Image:
+    """Decode an image object to an RGB ``PIL.Image`` (formats limited to :data:`IMAGE_FORMATS`)."""
+    with warnings.catch_warnings():
+        # Pillow warns between 1x and 2x MAX_IMAGE_PIXELS and raises above: both are refusals here.
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(file, formats=IMAGE_FORMATS) as img:
+            img.load()
+            return img.convert("RGB")
+
+
+def decode(data: bytes, url: str, loader: Callable[[Any], Any]) -> Any:
+    """Run ``loader`` on the bytes of ``url``; any failure becomes a :class:`DecodeError` naming the URL."""
+    try:
+        return loader(ObjectFile(data, url))
+    except DecodeError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DecodeError(
+            f"refused to decode {url}: the image is larger than PIL.Image.MAX_IMAGE_PIXELS "
+            f"({Image.MAX_IMAGE_PIXELS} pixels), a possible decompression bomb ({exc}); raise "
+            "PIL.Image.MAX_IMAGE_PIXELS if the image is genuine",
+            url=url,
+        ) from exc
+    except Image.UnidentifiedImageError as exc:
+        raise DecodeError(
+            f"cannot decode {url} ({len(data)} bytes): not an image in one of the formats "
+            f"{', '.join(IMAGE_FORMATS)}",
+            url=url,
+        ) from exc
+    except Exception as exc:
+        raise DecodeError(f"cannot decode {url} ({len(data)} bytes): {type(exc).__name__}: {exc}", url=url) from exc
