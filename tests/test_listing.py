@@ -1,0 +1,462 @@
+"""Listing: ImageFolder parity on every backend, odd keys, errors, and the remembered listing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+
+from blobdata._errors import (
+    AccessDenied,
+    ConfigError,
+    EmptyDatasetError,
+    FetchError,
+    ManifestError,
+    NotFound,
+    Throttled,
+)
+from blobdata._listing import IMG_EXTENSIONS, identity_from_info, list_folder, load_or_list, translate_error
+from blobdata._manifest import Manifest
+
+# A tree with everything ImageFolder has an opinion about: nested files, mixed-case extensions,
+# non-image files, files directly under the root, unicode, spaces and '+' in names, and directory
+# names whose sort order differs from the plain key order ("c d" vs "c d/x", "b" vs "b sub").
+TREE: dict[str, bytes] = {
+    "top.jpg": b"root file, not a sample",
+    "README.txt": b"not a sample",
+    "a/1.JPG": b"a1",
+    "a/2.png": b"a2!",
+    "a/notes.txt": b"skip",
+    "a/Ünïcødé name+1.jpeg": b"unicode",
+    "a/sub/deeper/3.webp": b"deep",
+    "a/sub/0.TIFF": b"tiff",
+    "b/z.jpg": b"zz",
+    "b/x/y.PNG": b"yy",
+    "b/x y/w.jpg": b"space dir",
+    "b/x+y/v.bmp": b"plus dir",
+    "c d/é+ f.jpeg": b"e",
+    "c d/x/q.ppm": b"q",
+    "c d/x/r.pgm": b"r",
+    "c d/data.json": b"{}",
+}
+MAX_ERROR_SECONDS = 30.0
+
+
+def reference_make_dataset(
+    directory: str,
+    extensions: tuple[str, ...] | None = None,
+    is_valid_file: Callable[[str], bool] | None = None,
+) -> tuple[list[str], dict[str, int], list[tuple[str, int]]]:
+    """torchvision's find_classes + make_dataset, written from its documented behaviour."""
+    classes = sorted(e.name for e in os.scandir(directory) if e.is_dir())
+    class_to_idx = {c: i for i, c in enumerate(classes)}
+    if extensions is None and is_valid_file is None:
+        extensions = IMG_EXTENSIONS
+
+    def valid(path: str) -> bool:
+        if is_valid_file is not None:
+            return is_valid_file(path)
+        assert extensions is not None
+        return path.lower().endswith(extensions)
+
+    samples: list[tuple[str, int]] = []
+    for cls in classes:
+        target_dir = os.path.join(directory, cls)
+        for root, _, fnames in sorted(os.walk(target_dir, followlinks=True)):
+            for fname in sorted(fnames):
+                path = os.path.join(root, fname)
+                if valid(path):
+                    samples.append((os.path.relpath(path, directory), class_to_idx[cls]))
+    return classes, class_to_idx, samples
+
+
+def write_tree(root: Path, tree: dict[str, bytes]) -> None:
+    for key, data in tree.items():
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
+def pairs(m: Manifest) -> list[tuple[str, int]]:
+    return [(m.relkey(i), m.target(i)) for i in range(len(m))]
+
+
+@pytest.fixture
+def local_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "train"
+    write_tree(root, TREE)
+    return root
+
+
+@pytest.fixture
+def memory_root() -> Iterator[str]:
+    base = f"/blobdata-test-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    yield base
+    if fs.exists(base):
+        fs.rm(base, recursive=True)
+
+
+def assert_parity(m: Manifest, reference: tuple[list[str], dict[str, int], list[tuple[str, int]]]) -> None:
+    classes, class_to_idx, samples = reference
+    assert m.classes == classes
+    assert m.class_to_idx == class_to_idx
+    assert pairs(m) == samples
+    assert len(samples) > 0
+
+
+# -- ImageFolder parity ---------------------------------------------------------------------------
+
+
+def test_parity_local(local_tree: Path) -> None:
+    m = list_folder(str(local_tree))
+    assert_parity(m, reference_make_dataset(str(local_tree)))
+    assert m.root == "file://" + str(local_tree)
+    for i in range(len(m)):
+        assert (local_tree / m.relkey(i)).read_bytes() == TREE[m.relkey(i)]
+        assert m.size(i) == len(TREE[m.relkey(i)])
+
+
+def test_parity_local_with_extensions_and_is_valid_file(local_tree: Path) -> None:
+    m = list_folder(str(local_tree), extensions=(".png", ".TIFF", ".PPM"))
+    assert_parity(m, reference_make_dataset(str(local_tree), extensions=(".png", ".tiff", ".ppm")))
+
+    def no_digits(path: str) -> bool:
+        return not any(ch.isdigit() for ch in os.path.basename(path))
+
+    # is_valid_file sees the object URL; for local folders that is file:// + the path.
+    m2 = list_folder(str(local_tree), is_valid_file=no_digits)
+    assert_parity(m2, reference_make_dataset(str(local_tree), is_valid_file=no_digits))
+
+
+def test_parity_memory(local_tree: Path, memory_root: str) -> None:
+    fs = fsspec.filesystem("memory")
+    for key, data in TREE.items():
+        fs.pipe(f"{memory_root}/{key}", data)
+    m = list_folder("memory://" + memory_root)
+    assert_parity(m, reference_make_dataset(str(local_tree)))
+    assert fs.cat(m.url(0)[len("memory://") :]) == TREE[m.relkey(0)]
+
+
+@pytest.mark.network
+def test_parity_s3(local_tree: Path, s3_bucket: Any) -> None:
+    s3_bucket.put_many({f"imagenet/train/{k}": v for k, v in TREE.items()})
+    m = list_folder(s3_bucket.url("imagenet/train"), storage_options=s3_bucket.storage_options)
+    assert_parity(m, reference_make_dataset(str(local_tree)))
+    assert m.root == s3_bucket.url("imagenet/train")
+    assert m.url(0) == f"s3://{s3_bucket.name}/imagenet/train/{m.relkey(0)}"
+    assert [m.size(i) for i in range(len(m))] == [len(TREE[m.relkey(i)]) for i in range(len(m))]
+    ident = m.identity(0)
+    assert ident and '"' not in ident
+    # Unicode, spaces and '+' round-trip exactly into the URL.
+    urls = {m.url(i) for i in range(len(m))}
+    assert s3_bucket.url("imagenet/train/a/Ünïcødé name+1.jpeg") in urls
+    assert s3_bucket.url("imagenet/train/c d/é+ f.jpeg") in urls
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("bucket_fixture", ["gcs_bucket", "az_bucket"])
+def test_parity_gcs_and_azure(local_tree: Path, bucket_fixture: str, request: pytest.FixtureRequest) -> None:
+    bucket = request.getfixturevalue(bucket_fixture)
+    for key, data in TREE.items():  # one at a time: the GCS emulator drops parallel uploads
+        bucket.put(f"train/{key}", data)
+    m = list_folder(bucket.url("train"), storage_options=bucket.storage_options)
+    assert_parity(m, reference_make_dataset(str(local_tree)))
+    assert m.url(0) == bucket.url("train/" + m.relkey(0))
+    assert all(m.identity(i) and '"' not in m.identity(i) for i in range(len(m)))
+    assert [m.size(i) for i in range(len(m))] == [len(TREE[m.relkey(i)]) for i in range(len(m))]
+
+
+@pytest.mark.network
+def test_s3_bucket_root_and_markers(s3_bucket: Any) -> None:
+    s3_bucket.put_many(
+        {
+            "a/1.jpg": b"1",
+            "a/": b"",  # directory markers are never samples
+            "a/sub/": b"",
+            "a/sub/2.jpg": b"2",
+            "marked/": b"",  # a class that exists only as a marker: empty
+            "loose.jpg": b"not a sample",
+        }
+    )
+    url = s3_bucket.url("")
+    with pytest.raises(EmptyDatasetError) as err:
+        list_folder(url, storage_options=s3_bucket.storage_options)
+    assert "marked" in str(err.value) and ".jpg" in str(err.value)
+    m = list_folder(url, storage_options=s3_bucket.storage_options, allow_empty=True)
+    assert m.classes == ["a", "marked"]
+    assert pairs(m) == [("a/1.jpg", 0), ("a/sub/2.jpg", 0)]
+    assert m.class_counts() == [2, 0]
+
+
+# -- empty datasets and arguments ---------------------------------------------------------------
+
+
+def test_empty_class_and_allow_empty(tmp_path: Path) -> None:
+    write_tree(tmp_path, {"cat/1.jpg": b"x", "dog/readme.txt": b"x", "eel/x.gif": b"x"})
+    with pytest.raises(EmptyDatasetError) as err:
+        list_folder(str(tmp_path))
+    msg = str(err.value)
+    assert "dog, eel" in msg and ".webp" in msg and isinstance(err.value, FileNotFoundError)
+    m = list_folder(str(tmp_path), allow_empty=True)
+    assert m.classes == ["cat", "dog", "eel"] and m.class_counts() == [1, 0, 0]
+
+
+def test_no_class_folder(tmp_path: Path) -> None:
+    write_tree(tmp_path, {"1.jpg": b"x", "2.jpg": b"y"})
+    with pytest.raises(EmptyDatasetError, match="class folder") as err:
+        list_folder(str(tmp_path))
+    assert str(tmp_path) in str(err.value)
+
+
+def test_extensions_and_is_valid_file_are_exclusive(local_tree: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        list_folder(str(local_tree), extensions=(".jpg",), is_valid_file=lambda p: True)
+    assert isinstance(err.value, ValueError)
+
+
+def test_missing_local_folder(tmp_path: Path) -> None:
+    with pytest.raises(NotFound, match="nothing found"):
+        list_folder(str(tmp_path / "nope"))
+
+
+# -- keys that must never be normalised -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def moto_s3() -> Iterator[dict[str, Any]]:
+    """moto's S3 server keeps keys byte-exact ('..' and '//' segments), unlike filer-backed stores."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield {"key": "test", "secret": "test", "endpoint_url": f"http://{host}:{port}"}
+    finally:
+        server.stop()
+
+
+@pytest.mark.network
+def test_dotdot_and_double_slash_keys_kept(moto_s3: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**moto_s3, skip_instance_cache=True)
+    fs.mkdir("odd-keys")
+    keys = [
+        "ds/b/ok.jpg",
+        "ds/b//dbl.jpg",
+        "ds/b/../up.jpg",
+        "ds/b/./dot.jpg",
+        "ds//orphan.jpg",
+        "ds//x/o2.jpg",
+    ]
+    for key in keys:
+        fs.call_s3("put_object", Bucket="odd-keys", Key=key, Body=b"x")
+    with caplog.at_level(logging.WARNING, logger="blobdata"):
+        m = list_folder("s3://odd-keys/ds", storage_options=moto_s3)
+    assert m.classes == ["b"]
+    urls = [m.url(i) for i in range(len(m))]
+    assert sorted(urls) == sorted(f"s3://odd-keys/{k}" for k in keys[:4])
+    # Directories in sorted(os.walk) order: "b" < "b/" < "b/." < "b/.."
+    assert urls == [
+        f"s3://odd-keys/{k}" for k in ("ds/b/ok.jpg", "ds/b//dbl.jpg", "ds/b/./dot.jpg", "ds/b/../up.jpg")
+    ]
+    assert m.skipped == ["s3://odd-keys/ds//orphan.jpg", "s3://odd-keys/ds//x/o2.jpg"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("2 object(s)" in w and "s3://odd-keys/ds//orphan.jpg" in w for w in warnings)
+
+
+# -- errors at construction ---------------------------------------------------------------------
+
+
+def _raises_in_time(cls: type[Exception], url: str, storage_options: dict[str, Any]) -> Exception:
+    start = time.monotonic()
+    with pytest.raises(cls) as err:
+        list_folder(url, storage_options=storage_options)
+    assert time.monotonic() - start < MAX_ERROR_SECONDS
+    assert url in str(err.value)
+    assert storage_options.get("secret", "\x00") not in str(err.value)
+    return err.value
+
+
+@pytest.mark.network
+def test_missing_bucket(s3_bucket: Any) -> None:
+    url = f"s3://{s3_bucket.name}-missing/train"
+    err = _raises_in_time(NotFound, url, s3_bucket.storage_options)
+    assert "bucket" in str(err) and not isinstance(err, EmptyDatasetError)
+
+
+@pytest.mark.network
+def test_missing_prefix(s3_bucket: Any) -> None:
+    s3_bucket.put("train/a/1.jpg", b"x")
+    _raises_in_time(NotFound, s3_bucket.url("trian"), s3_bucket.storage_options)
+
+
+@pytest.mark.network
+def test_bad_secret(s3_bucket: Any) -> None:
+    s3_bucket.put("train/a/1.jpg", b"x")
+    opts = {**s3_bucket.storage_options, "secret": "definitely-wrong-secret"}
+    _raises_in_time(AccessDenied, s3_bucket.url("train"), opts)
+
+
+@pytest.mark.network
+def test_wrong_endpoint_port(s3_bucket: Any) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = {**s3_bucket.storage_options, "endpoint_url": f"http://127.0.0.1:{port}"}
+    err = _raises_in_time(FetchError, s3_bucket.url("train"), opts)
+    assert "endpoint_url" in str(err)
+
+
+def test_throttle_is_never_not_found() -> None:
+    from botocore.exceptions import ClientError
+
+    for code, status in (("SlowDown", 503), ("NoSuchKey", 503), ("Whatever", 429)):
+        response: Any = {
+            "Error": {"Code": code, "Message": "x"},
+            "ResponseMetadata": {"HTTPStatusCode": status},
+        }
+        try:
+            try:
+                raise ClientError(response, "ListObjectsV2")
+            except ClientError as inner:
+                raise FileNotFoundError("s3fs's translation") from inner
+        except FileNotFoundError as outer:
+            err = translate_error(outer, "s3://b/p")
+        assert isinstance(err, Throttled) and not isinstance(err, FileNotFoundError), code
+        assert "s3://b/p" in str(err)
+
+
+def test_identity_from_info() -> None:
+    assert identity_from_info("s3", {"ETag": '"abc"', "size": 1}) == "abc"
+    assert identity_from_info("s3", {"ETag": '"abc"', "VersionId": "v1"}) == "abc@v1"
+    assert identity_from_info("s3", {"ETag": '"abc"', "VersionId": "null"}) == "abc"
+    assert identity_from_info("gs", {"generation": "1712", "etag": "CJ"}) == "1712"
+    assert identity_from_info("az", {"etag": '"0x8DC"'}) == "0x8DC"
+    assert identity_from_info("file", {"mtime_ns": 17, "size": 3}) == "17-3"
+    assert identity_from_info("memory", {"created": 1.5, "size": 2}) == "1.5-2"
+
+
+def test_local_identity_matches_stat(local_tree: Path) -> None:
+    m = list_folder(str(local_tree))
+    path = local_tree / m.relkey(0)
+    assert m.identity(0) == identity_from_info("file", {"name": str(path), "size": path.stat().st_size})
+    os.utime(path, ns=(1, 1_000_000_001))
+    assert list_folder(str(local_tree)).identity(0) == f"1000000001-{path.stat().st_size}"
+
+
+# -- the remembered listing ---------------------------------------------------------------------
+
+
+def _listing_requests(proxy: Any) -> list[tuple[str, str]]:
+    return list(proxy.requests)
+
+
+@pytest.mark.network
+def test_load_or_list_remembers_and_refresh_relists(
+    s3_bucket: Any, s3_proxy: Any, isolated_cache_home: Any
+) -> None:
+    s3_bucket.put_many({"train/a/1.jpg": b"1", "train/b/2.jpg": b"22"})
+    url = s3_bucket.url("train")
+    opts = s3_proxy.storage_options
+    s3_proxy.reset_counts()
+    first = load_or_list(url, storage_options=opts, refresh=False, manifest=None)
+    assert len(first) == 2 and _listing_requests(s3_proxy), "the first call must list"
+
+    s3_bucket.put("train/b/3.jpg", b"333")
+    s3_proxy.reset_counts()
+    second = load_or_list(url, storage_options=opts, refresh=False, manifest=None)
+    assert _listing_requests(s3_proxy) == []
+    assert pairs(second) == pairs(first)
+
+    third = load_or_list(url, storage_options=opts, refresh=True, manifest=None)
+    assert _listing_requests(s3_proxy), "refresh=True must list again"
+    assert pairs(third) == [("a/1.jpg", 0), ("b/2.jpg", 1), ("b/3.jpg", 1)]
+    s3_proxy.reset_counts()
+    assert pairs(load_or_list(url, storage_options=opts, refresh=False, manifest=None)) == pairs(third)
+    assert _listing_requests(s3_proxy) == []
+
+
+def test_load_or_list_local_and_corrupt_remembered_file(
+    local_tree: Path, isolated_cache_home: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    first = load_or_list(str(local_tree), storage_options=None, refresh=False, manifest=None)
+    stored = list(Path(isolated_cache_home).rglob("*.manifest"))
+    assert len(stored) == 1
+    assert oct(stored[0].stat().st_mode & 0o777) == oct(0o600)
+    (local_tree / "a" / "new.jpg").write_bytes(b"n")
+    assert len(load_or_list(str(local_tree), storage_options=None, refresh=False, manifest=None)) == len(
+        first
+    )
+    # A corrupt remembered listing is reported and replaced by a fresh listing.
+    data = bytearray(stored[0].read_bytes())
+    data[-1] ^= 0xFF
+    stored[0].write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="blobdata"):
+        again = load_or_list(str(local_tree), storage_options=None, refresh=False, manifest=None)
+    assert len(again) == len(first) + 1
+    assert any("unusable" in r.getMessage() for r in caplog.records)
+    # Other extensions are another listing, remembered under another name.
+    pngs = load_or_list(
+        str(local_tree),
+        storage_options=None,
+        refresh=False,
+        manifest=None,
+        extensions=(".png",),
+        allow_empty=True,
+    )
+    assert {Path(pngs.relkey(i)).suffix.lower() for i in range(len(pngs))} == {".png"}
+
+
+@pytest.mark.network
+def test_precomputed_manifest(
+    s3_bucket: Any, s3_proxy: Any, tmp_path: Path, isolated_cache_home: Any
+) -> None:
+    s3_bucket.put_many({"train/a/1.jpg": b"1", "train/b/2.jpg": b"22"})
+    url = s3_bucket.url("train")
+    listed = list_folder(url, storage_options=s3_bucket.storage_options)
+    path = tmp_path / "shared" / "train.manifest"
+    listed.save(path)
+    s3_proxy.reset_counts()
+    got = load_or_list(url, storage_options=s3_proxy.storage_options, refresh=False, manifest=str(path))
+    assert pairs(got) == pairs(listed) and _listing_requests(s3_proxy) == []
+    # Another root: refused, naming the file.
+    with pytest.raises(ManifestError) as err:
+        load_or_list(s3_bucket.url("val"), storage_options=None, refresh=False, manifest=str(path))
+    assert str(path) in str(err.value)
+    # Shared through the bucket itself, read by URL.
+    s3_bucket.put("manifests/train.manifest", path.read_bytes())
+    got2 = load_or_list(
+        url,
+        storage_options=s3_bucket.storage_options,
+        refresh=False,
+        manifest=s3_bucket.url("manifests/train.manifest"),
+    )
+    assert pairs(got2) == pairs(listed)
+    with pytest.raises(NotFound):
+        load_or_list(
+            url,
+            storage_options=s3_bucket.storage_options,
+            refresh=False,
+            manifest=s3_bucket.url("manifests/nope"),
+        )
+
+
+def test_precomputed_manifest_corrupt(local_tree: Path, tmp_path: Path) -> None:
+    path = tmp_path / "m.manifest"
+    list_folder(str(local_tree)).save(path)
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(ManifestError) as err:
+        load_or_list(str(local_tree), storage_options=None, refresh=False, manifest=str(path))
+    assert str(path) in str(err.value)
