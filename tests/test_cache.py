@@ -1,0 +1,690 @@
+"""The local cache: integrity, atomicity, sharing between processes, the size bound, failures."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import diskcache
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from blobdata._cache import SLACK_BYTES, WAL_SLACK_BYTES, BlobCache, CacheStats, Policy, _BytesDisk, _Refused
+from blobdata._errors import CacheError, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+BIG = 100_000  # stored as a value file
+SMALL = 1_000  # stored inline in the index
+
+
+def value(i: int, size: int) -> bytes:
+    """Deterministic bytes for object ``i`` of ``size`` bytes (so any process can check them)."""
+    seed = hashlib.sha256(f"{i}:{size}".encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def files_under(directory: Path) -> list[Path]:
+    return [Path(root) / name for root, _, names in os.walk(directory) for name in names]
+
+
+def value_files(directory: Path) -> list[Path]:
+    return [p for p in files_under(directory) if p.name.endswith(".val")]
+
+
+def rows(directory: Path) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(directory / "cache.db") as con:
+        return con.execute("SELECT key, raw, mode, filename FROM Cache").fetchall()
+
+
+def test_round_trip_and_restart(tmp_path: Path) -> None:
+    big, small = value(1, BIG), value(2, SMALL)
+    with BlobCache(tmp_path / "c", size_limit="10MB") as cache:
+        assert cache.get("s3://b/big", "e1") is None
+        assert cache.put("s3://b/big", "e1", big)
+        assert cache.put("s3://b/small", "e1", small)
+        assert cache.put("s3://b/empty", "e1", b"")
+        assert cache.get("s3://b/big", "e1") == big
+        assert cache.get("s3://b/small", "e1") == small
+        assert cache.get("s3://b/empty", "e1") == b""
+        assert ("s3://b/big", "e1") in cache
+        assert ("s3://b/other", "e1") not in cache
+        s = cache.stats()
+        assert (s.hits, s.misses, s.stored, s.entries) == (3, 1, 3, 3)
+        assert s.volume_bytes >= BIG + SMALL
+    assert len(value_files(tmp_path / "c")) == 1  # the small values live inline
+    with BlobCache(tmp_path / "c", size_limit="10MB") as again:  # survives a restart
+        assert again.get("s3://b/big", "e1") == big
+        info = again.info()
+        assert info["entries"] == 3 and info["limit"] == 10_000_000 and info["policy"] == "admit"
+        assert info["directory"] == str(tmp_path / "c") and isinstance(info["bytes"], int)
+        again.clear()
+        assert again.get("s3://b/big", "e1") is None and again.stats().entries == 0
+    assert value_files(tmp_path / "c") == []
+
+
+def test_changed_identity_is_a_miss_and_replaces_the_stale_entry(tmp_path: Path) -> None:
+    with BlobCache(tmp_path, size_limit="10MB") as cache:
+        assert cache.put("gs://b/x.jpg", '"etag-1"', value(1, BIG))
+        assert cache.get("gs://b/x.jpg", '"etag-2"') is None
+        assert cache.put("gs://b/x.jpg", '"etag-2"', value(2, BIG))
+        assert ("gs://b/x.jpg", '"etag-1"') not in cache
+        assert cache.get("gs://b/x.jpg", '"etag-2"') == value(2, BIG)
+        # A URL that is a prefix of another is a different object.
+        assert cache.put("gs://b/x.jp", "1", b"short")
+        assert cache.get("gs://b/x.jpg", '"etag-2"') == value(2, BIG)
+        assert cache.stats().entries == 2
+    assert len(value_files(tmp_path)) == 1
+
+
+def test_validation(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        BlobCache(tmp_path, policy="fifo")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        BlobCache(tmp_path, size_limit="lots")
+    assert BlobCache(tmp_path, size_limit="2MiB").stats().size_limit == 2 * 1024**2
+    with pytest.raises(TypeError):
+        BlobCache(tmp_path).put("s3://b/x", "e", "text")  # type: ignore[arg-type]
+
+
+def test_flipped_byte_is_a_counted_corrupt_miss_and_the_entry_is_removed(tmp_path: Path) -> None:
+    with BlobCache(tmp_path, size_limit="10MB") as cache:
+        assert cache.put("s3://b/x", "e", value(1, BIG))
+        (path,) = value_files(tmp_path)
+        raw = bytearray(path.read_bytes())
+        raw[BIG // 2] ^= 0x01
+        path.write_bytes(bytes(raw))
+        assert cache.get("s3://b/x", "e") is None
+        s = cache.stats()
+        assert (s.corrupt, s.misses, s.hits, s.entries) == (1, 1, 0, 0)
+        assert ("s3://b/x", "e") not in cache and not path.exists()
+        assert cache.put("s3://b/x", "e", value(1, BIG))  # the caller refetches and stores again
+        assert cache.get("s3://b/x", "e") == value(1, BIG)
+
+
+def test_truncated_missing_and_inline_corruption(tmp_path: Path) -> None:
+    with BlobCache(tmp_path, size_limit="10MB") as cache:
+        for name in ("trunc", "gone"):
+            assert cache.put(f"s3://b/{name}", "e", value(1, BIG))
+        assert cache.put("s3://b/inline", "e", value(2, SMALL))
+        by_key = {key.split("\n")[0].split("/")[-1]: fn for key, _, _, fn in rows(tmp_path)}
+        with open(tmp_path / by_key["trunc"], "r+b") as f:
+            f.truncate(BIG - 1)
+        (tmp_path / by_key["gone"]).unlink()
+        with sqlite3.connect(tmp_path / "cache.db") as con:
+            con.execute("UPDATE Cache SET value = CAST(? AS BLOB) WHERE filename IS NULL", (b"x" * 40,))
+        for name in ("trunc", "gone", "inline"):
+            assert cache.get(f"s3://b/{name}", "e") is None
+        assert cache.stats().corrupt == 3 and cache.stats().entries == 0
+
+
+def _tamper_payload(marker: Path) -> bytes:
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.mkdir, (str(marker),))
+
+    return pickle.dumps(Evil())
+
+
+def test_tampered_pickle_rows_are_refused_and_never_unpickled(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    payload = _tamper_payload(marker)
+    directory = tmp_path / "c"
+    with BlobCache(directory, size_limit="10MB") as cache:
+        assert cache.put("s3://b/inline", "e", value(1, SMALL))
+        assert cache.put("s3://b/file", "e", value(2, BIG))
+        (path,) = value_files(directory)
+        path.write_bytes(payload)
+        with sqlite3.connect(directory / "cache.db") as con:
+            con.execute("UPDATE Cache SET mode = 4, value = ? WHERE filename IS NULL", (payload,))
+            con.execute("UPDATE Cache SET mode = 4 WHERE filename IS NOT NULL")
+            # A row whose key itself is a pickle (raw = 0).
+            con.execute(
+                "INSERT INTO Cache (key, raw, store_time, mode, value) VALUES (?, 0, 0, 4, ?)",
+                (payload, payload),
+            )
+        assert cache.get("s3://b/inline", "e") is None
+        assert cache.get("s3://b/file", "e") is None
+        s = cache.stats()
+        assert (s.corrupt, s.misses, s.hits) == (2, 2, 0)
+        # diskcache's own paths through the Disk refuse too (keys and values).
+        dc = cache._connect()
+        with pytest.raises(_Refused):
+            list(dc)
+        with pytest.raises(_Refused):
+            dc.disk.fetch(4, None, payload, False)
+        with pytest.raises(TypeError):
+            dc.disk.store({"not": "bytes"}, False)
+        with pytest.raises(_Refused):  # no path outside the directory is ever read
+            dc.disk.fetch(2, "../../etc/passwd", None, False)
+        assert _BytesDisk(str(directory)).get("k", True) == "k"
+    assert not marker.exists()
+    # Control: stock diskcache would have run the payload, so this test can fail.
+    with sqlite3.connect(directory / "cache.db") as con:
+        con.execute(
+            "INSERT INTO Cache (key, raw, store_time, mode, value) VALUES ('k', 1, 0, 4, ?)", (payload,)
+        )
+    stock = diskcache.Cache(str(directory))
+    stock.get("k")
+    stock.close()
+    assert marker.exists()
+
+
+def test_permissions_of_directory_and_every_file(tmp_path: Path) -> None:
+    directory = tmp_path / "deep" / "cache"
+    with BlobCache(directory, size_limit="10MB") as cache:
+        for i in range(20):
+            assert cache.put(f"s3://b/{i}", "e", value(i, BIG if i % 2 else SMALL))
+        assert cache.get("s3://b/1", "e") == value(1, BIG)
+        checked = 0
+        for root, _dirs, names in os.walk(directory):
+            assert stat.S_IMODE(os.stat(root).st_mode) == 0o700, root
+            for name in names:
+                assert stat.S_IMODE(os.stat(Path(root) / name).st_mode) == 0o600, name
+                checked += 1
+        assert {"cache.db", "cache.db-wal", "cache.db-shm"} <= set(os.listdir(directory))
+        assert checked >= 13
+
+
+def test_existing_cache_directory_is_tightened(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    directory.mkdir(mode=0o755)
+    os.chmod(directory, 0o755)
+    BlobCache(directory).close()
+    assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+
+
+def test_admit_keeps_what_it_has_and_never_writes_on_get(tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path, size_limit=0)
+    base = cache.stats().volume_bytes
+    cache = BlobCache(tmp_path, size_limit=base + 2 * BIG + 40_000)
+    assert cache.put("s3://b/a", "e", value(1, BIG))
+    assert cache.put("s3://b/b", "e", value(2, BIG))
+    assert not cache.put("s3://b/c", "e", value(3, BIG))
+    assert not cache.put("s3://b/huge", "e", value(4, 10 * BIG))
+    s = cache.stats()
+    assert (s.stored, s.rejected, s.evictions, s.entries) == (2, 2, 0, 2)
+    assert len(value_files(tmp_path)) == 2
+    with sqlite3.connect(tmp_path / "cache.db") as con:
+        before = con.execute("PRAGMA data_version").fetchone()
+        for _ in range(20):
+            assert cache.get("s3://b/a", "e") == value(1, BIG)
+            assert cache.get("s3://b/c", "e") is None
+        assert con.execute("PRAGMA data_version").fetchone() == before
+
+
+def test_lru_evicts_the_least_recently_used(tmp_path: Path) -> None:
+    base = BlobCache(tmp_path, size_limit=0).stats().volume_bytes
+    cache = BlobCache(tmp_path, size_limit=base + 2 * BIG + 40_000, policy="lru")
+    assert cache.put("s3://b/a", "e", value(1, BIG))
+    assert cache.put("s3://b/b", "e", value(2, BIG))
+    with sqlite3.connect(tmp_path / "cache.db") as con:
+        before = con.execute("PRAGMA data_version").fetchone()
+        assert cache.get("s3://b/a", "e") == value(1, BIG)  # a is now more recent than b
+        assert con.execute("PRAGMA data_version").fetchone() != before  # lru records the access
+    assert cache.put("s3://b/c", "e", value(3, BIG))
+    assert ("s3://b/a", "e") in cache and ("s3://b/c", "e") in cache
+    assert ("s3://b/b", "e") not in cache
+    assert cache.stats().evictions == 1 and len(value_files(tmp_path)) == 2
+    assert not cache.put("s3://b/huge", "e", value(4, 10 * BIG))  # never fits: nothing evicted
+    assert cache.stats().entries == 2
+
+
+def test_orphans_are_swept_after_the_grace_period_only(tmp_path: Path) -> None:
+    with BlobCache(tmp_path, size_limit="10MB") as cache:
+        assert cache.put("s3://b/kept", "e", value(1, BIG))
+    sub = tmp_path / "ab"
+    sub.mkdir(mode=0o700, exist_ok=True)
+    old = time.time() - 3600
+
+    def orphan(name: str, age: float) -> Path:
+        path = sub / name
+        path.write_bytes(b"partial")
+        os.utime(path, (age, age))
+        return path
+
+    (kept,) = value_files(tmp_path)
+    os.utime(kept, (old, old))
+    stale_val = orphan("ab" + "0" * 30 + "-186a0-c00000000.val", old)
+    stale_tmp = orphan("ab" + "1" * 30 + "-186a0-c00000000.val.tmp", old)
+    young = orphan("ab" + "2" * 30 + "-186a0-c00000000.val", time.time())
+    foreign = orphan("notes.txt", old)
+    with sqlite3.connect(tmp_path / "cache.db") as con:  # the last sweep (at creation) is long ago
+        con.execute("UPDATE Blobdata SET value = ? WHERE key = 'last_sweep'", (old,))
+    BlobCache(tmp_path, orphan_grace="10m").close()
+    assert not stale_val.exists() and not stale_tmp.exists()
+    assert young.exists() and foreign.exists() and kept.exists()
+    again = orphan("ab" + "3" * 30 + "-186a0-c00000000.val", old)
+    BlobCache(tmp_path, orphan_grace="10m").close()  # swept a moment ago: not again so soon
+    assert again.exists()
+    assert BlobCache(tmp_path).get("s3://b/kept", "e") == value(1, BIG)
+
+
+# -- SIGKILL mid-write ----------------------------------------------------------------------------
+
+
+def _write_forever(directory: str, policy: str, seed: int, ready: Any) -> None:
+    cache = BlobCache(directory, size_limit="4MB", policy=policy)  # type: ignore[arg-type]
+    ready.set()
+    rng = random.Random(seed)
+    while True:
+        i, size = rng.randrange(60), rng.choice([10, 5_000, 40_000, 150_000, 400_000])
+        cache.put(f"s3://b/{i}", str(size), value(i, size))
+
+
+def _check_all_entries(directory: Path, cache: BlobCache) -> int:
+    checked = 0
+    for key, raw, _, _ in rows(directory):
+        assert raw == 1
+        url, identity = key.split(":", 1)[1].split("\n")
+        data = cache.get(url, identity)
+        if data is not None:  # may have been evicted meanwhile by a live writer
+            assert data == value(int(url.rsplit("/", 1)[1]), int(identity))
+            checked += 1
+    return checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["admit", "lru"])
+def test_sigkill_mid_write_leaves_no_partial_entry_and_orphans_are_swept(
+    tmp_path: Path, policy: Policy
+) -> None:
+    rng = random.Random(7)
+    reader = BlobCache(tmp_path, size_limit="4MB", policy=policy)
+    ctx = multiprocessing.get_context("fork")  # starts in milliseconds; SIGKILL is what matters
+    for round_ in range(5):
+        ready = ctx.Event()
+        proc = ctx.Process(target=_write_forever, args=(str(tmp_path), policy, round_, ready))
+        proc.start()
+        try:
+            assert ready.wait(timeout=60)
+            deadline = time.monotonic() + rng.uniform(0.2, 0.8)
+            while time.monotonic() < deadline:  # read while the writer writes
+                _check_all_entries(tmp_path, reader)
+        finally:
+            assert proc.pid is not None
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(timeout=30)
+        assert proc.exitcode == -signal.SIGKILL
+        assert reader.stats().corrupt == 0
+        with BlobCache(tmp_path, size_limit="4MB", policy=policy, orphan_grace=0) as fresh:
+            _check_all_entries(tmp_path, fresh)
+            assert fresh.stats().corrupt == 0 and fresh.stats().misses == 0
+        referenced = {fn for _, _, _, fn in rows(tmp_path) if fn}
+        on_disk = {str(p.relative_to(tmp_path)) for p in files_under(tmp_path) if p.parent != tmp_path}
+        assert on_disk == referenced  # no temp files, no value file without a row
+    assert reader.stats().hits > 0
+
+
+def _write_huge_forever(directory: str, ready: Any) -> None:
+    cache = BlobCache(directory, size_limit="100GB")
+    ready.set()
+    huge = b"h" * (64 * 1024**2)
+    for n in range(10**6):
+        cache.put(f"s3://b/huge{n}", "e", huge)
+
+
+def _growing_temp_files(directory: Path) -> list[Path]:
+    found = []
+    for path in files_under(directory):
+        with contextlib.suppress(FileNotFoundError):  # renamed meanwhile
+            if path.name.endswith(".val.tmp") and path.stat().st_size:
+                found.append(path)
+    return found
+
+
+@pytest.mark.slow
+def test_sigkill_in_the_middle_of_a_value_write(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_write_huge_forever, args=(str(tmp_path), ready))
+    proc.start()
+    try:
+        assert ready.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while not _growing_temp_files(tmp_path):
+            assert time.monotonic() < deadline, "never saw a value being written"
+    finally:
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGKILL)  # while a value file is (very likely) half written
+        proc.join(timeout=30)
+    partial = [p for p in files_under(tmp_path) if p.name.endswith(".tmp")]
+    with BlobCache(tmp_path, size_limit="100GB", orphan_grace=0) as fresh:
+        for key, *_ in rows(tmp_path):  # every entry that made it is complete
+            url, identity = key.split(":", 1)[1].split("\n")
+            assert fresh.get(url, identity) == b"h" * (64 * 1024**2)
+        assert fresh.stats().corrupt == 0
+    assert partial and not any(p.exists() for p in partial)
+    referenced = {fn for _, _, _, fn in rows(tmp_path) if fn}
+    assert {str(p.relative_to(tmp_path)) for p in value_files(tmp_path)} == referenced
+
+
+# -- several processes --------------------------------------------------------------------------
+
+
+_WRITER = """
+import os, random, sys
+from blobdata._cache import BlobCache
+cache = BlobCache(sys.argv[1], size_limit="4MB")
+print("ready", flush=True)
+rng = random.Random(0)
+while True:
+    size = rng.choice([10, 5_000, 40_000, 150_000])
+    cache.put(f"s3://b/{rng.randrange(10**9)}", "e", os.urandom(size))
+    if rng.random() < 0.1:
+        cache.clear()
+"""
+
+
+@pytest.mark.slow
+def test_opening_another_cache_in_a_reading_process_keeps_the_index_sound(tmp_path: Path) -> None:
+    # Regression: opening and closing a descriptor of cache.db in a process drops every POSIX lock
+    # its live SQLite connections hold there, and a writer elsewhere then corrupts their reads.
+    reader = BlobCache(tmp_path, size_limit="4MB")
+    assert reader.put("s3://b/first", "e", b"x") and reader.get("s3://b/first", "e") == b"x"
+    BlobCache(tmp_path, size_limit="4MB").close()  # the writer below starts after this
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            BlobCache(tmp_path, size_limit="4MB").close()
+            for key, *_ in rows(tmp_path):
+                url, identity = key.split(":", 1)[1].split("\n")
+                reader.get(url, identity)
+            assert ("s3://b/none", "e") not in reader
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert reader.stats().corrupt == 0 and reader.stats().hits > 0
+
+
+def _write_same_keys(cache: BlobCache, seed: int, out: Any) -> None:
+    order = list(range(40))
+    random.Random(seed).shuffle(order)
+    ok = [cache.put(f"s3://b/{i}", "e", value(i, BIG if i % 3 else SMALL)) for i in order]
+    bad = [i for i in order if cache.get(f"s3://b/{i}", "e") != value(i, BIG if i % 3 else SMALL)]
+    out.put((all(ok), bad, cache._pid == os.getpid()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_two_processes_writing_the_same_keys_end_consistent(tmp_path: Path, method: str) -> None:
+    ctx: Any = multiprocessing.get_context(method)
+    cache = BlobCache(tmp_path, size_limit="100MB")  # opened here: fork children must reopen
+    assert cache.put("s3://b/parent", "e", b"from the parent")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_write_same_keys, args=(cache, seed, out)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results == [(True, [], True)] * 2
+    keys = [key for key, *_ in rows(tmp_path)]
+    assert len(keys) == len(set(keys)) == 41
+    assert len(value_files(tmp_path)) == sum(1 for i in range(40) if i % 3)  # no leftover copies
+    assert cache.get("s3://b/parent", "e") == b"from the parent"  # the parent's connection still works
+    assert cache.put("s3://b/parent2", "e", b"after the children")
+    assert all(cache.get(f"s3://b/{i}", "e") == value(i, BIG if i % 3 else SMALL) for i in range(40))
+
+
+def test_threads_share_one_cache(tmp_path: Path) -> None:
+    # The dataset calls get/put from executor threads: each thread gets its own connection.
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = BlobCache(tmp_path, size_limit="6MB", policy="lru")
+
+    def work(i: int) -> bool:
+        k = i % 50
+        data = value(k, BIG if k % 2 else SMALL)
+        stored = cache.put(f"s3://b/{k}", "e", data)
+        return stored and cache.get(f"s3://b/{k}", "e") in (None, data)  # None: evicted meanwhile
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(400)))
+    s = cache.stats()
+    assert s.corrupt == s.write_errors == 0 and s.hits + s.misses == 400 and s.stored == 400
+    assert s.volume_bytes <= 6_000_000 + SLACK_BYTES
+
+
+def test_pickles_as_its_configuration_and_reopens_lazily(tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path, size_limit="3MB", policy="lru")
+    assert cache.put("s3://b/x", "e", b"payload")
+    assert cache.__getstate__() == (str(tmp_path), 3_000_000, "lru")
+    clone = pickle.loads(pickle.dumps(cache))
+    assert clone._dc is None  # nothing opened until first use
+    assert clone.get("s3://b/x", "e") == b"payload"
+    assert clone.stats().policy == "lru" and clone.stats().size_limit == 3_000_000
+
+
+def _write_random(cache: BlobCache, seed: int, out: Any) -> None:
+    rng = random.Random(seed)
+    for n in range(60):
+        size = rng.choice([SMALL, 20_000, 50_000, 120_000])
+        cache.put(f"s3://b/{seed}-{n}", "e", value(n, size))
+    out.put(cache.stats())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["admit", "lru"])
+def test_size_bound_holds_under_four_concurrent_writers(tmp_path: Path, policy: Policy) -> None:
+    limit = 2_000_000
+    cache = BlobCache(tmp_path, size_limit=limit, policy=policy)
+    ctx = multiprocessing.get_context("fork")  # spawn is covered above; fork starts faster
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_write_random, args=(cache, seed, out)) for seed in range(4)]
+    for p in procs:
+        p.start()
+    peak = wal_peak = 0
+    while any(p.is_alive() for p in procs) and out.qsize() < len(procs):
+        peak = max(peak, cache.stats().volume_bytes)
+        with contextlib.suppress(FileNotFoundError):
+            wal = sum(os.stat(tmp_path / f"cache.db-{x}").st_size for x in ("wal", "shm"))
+            wal_peak = max(wal_peak, wal)
+        time.sleep(0.002)
+    stats: list[CacheStats] = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    final = cache.stats()
+    assert max(peak, final.volume_bytes) <= limit + SLACK_BYTES
+    stored = sum(s.stored for s in stats)
+    assert stored + sum(s.rejected for s in stats) + sum(s.write_errors for s in stats) == 240
+    assert sum(s.write_errors for s in stats) == 0
+    if policy == "admit":
+        assert final.entries == stored and sum(s.rejected for s in stats) > 0
+    else:
+        assert sum(s.evictions for s in stats) > 0 and sum(s.rejected for s in stats) == 0
+    sizes = {p.name: p.stat().st_size for p in files_under(tmp_path)}
+    values_and_index = sum(n for name, n in sizes.items() if name.endswith(".val")) + sizes["cache.db"]
+    assert values_and_index <= limit + SLACK_BYTES
+    assert wal_peak <= WAL_SLACK_BYTES
+    assert sum(sizes.values()) <= limit + SLACK_BYTES + WAL_SLACK_BYTES
+    assert not [name for name in sizes if name.endswith(".tmp")]
+
+
+# -- failures -----------------------------------------------------------------------------------
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "blobdata" and r.levelno == logging.WARNING]
+
+
+def test_unusable_directory_raises_cache_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    for bad in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(CacheError, match="cannot be used"):
+            BlobCache(bad)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "cache.db").write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(CacheError, match=str(tmp_path / "c")):
+        BlobCache(tmp_path / "c")
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Any:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("mounting a tmpfs needs privileges (the RLIMIT_FSIZE test covers this)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_full_disk_falls_back_with_one_warning(small_fs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="blobdata")
+    directory = small_fs / "cache"
+    cache = BlobCache(directory, size_limit="1GB")
+    assert cache.put("s3://b/first", "e", value(0, BIG))
+    results = [cache.put(f"s3://b/{i}", "e", value(i, 300_000)) for i in range(1, 12)]
+    assert results[:3] == [True] * 3 and results[-1] is False
+    warnings = _warnings(caplog)
+    assert len(warnings) == 1 and str(directory) in warnings[0].getMessage()
+    assert cache.stats().write_errors >= 1
+    assert cache.get("s3://b/first", "e") == value(0, BIG)  # reads still work
+    assert cache.get("s3://b/1", "e") == value(1, 300_000)
+    assert not [p for p in files_under(directory) if p.name.endswith(".tmp")]
+    cache.close()
+
+
+_FSIZE = """
+import json, logging, os, resource, signal, sys
+sys.path.insert(0, sys.argv[2])
+from blobdata._cache import BlobCache
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("blobdata").addHandler(handler)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+cache = BlobCache(sys.argv[1], size_limit="1GB")
+stored = cache.put("s3://b/small", "e", b"s" * 1000)
+resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
+results = [cache.put(f"s3://b/{i}", "e", os.urandom(200_000)) for i in range(5)]
+print(json.dumps({
+    "stored": stored, "results": results, "read": cache.get("s3://b/small", "e") == b"s" * 1000,
+    "warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING],
+    "write_errors": cache.stats().write_errors,
+    "tmp": [n for _, _, ns in os.walk(sys.argv[1]) for n in ns if n.endswith(".tmp")],
+}))
+"""
+
+
+def test_write_errors_efbig_fall_back_with_one_warning(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _FSIZE, str(tmp_path / "c"), str(ROOT)],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    got = json.loads(done.stdout)
+    assert got["stored"] and got["read"] and got["results"] == [False] * 5
+    assert len(got["warnings"]) == 1 and str(tmp_path / "c") in got["warnings"][0]
+    assert "File too large" in got["warnings"][0] or "full" in got["warnings"][0]
+    assert got["write_errors"] == 5 and got["tmp"] == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_directory_falls_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = BlobCache(tmp_path / "c", size_limit="10MB")
+    assert cache.put("s3://b/a", "e", value(1, SMALL))
+    os.chmod(tmp_path / "c", 0o500)
+    try:
+        assert not cache.put("s3://b/b", "e", value(2, BIG))
+        assert not cache.put("s3://b/c", "e", value(3, BIG))
+        assert len(_warnings(caplog)) == 1 and cache.get("s3://b/a", "e") == value(1, SMALL)
+    finally:
+        os.chmod(tmp_path / "c", 0o700)
+
+
+def test_a_cache_that_cannot_be_reopened_in_a_worker_degrades_to_misses(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = BlobCache(tmp_path / "c", size_limit="10MB")
+    assert cache.put("s3://b/a", "e", b"x")
+    clone = pickle.loads(pickle.dumps(cache))
+    os.rename(tmp_path / "c", tmp_path / "moved")
+    (tmp_path / "c").write_text("now a file")
+    assert clone.get("s3://b/a", "e") is None and clone.get("s3://b/a", "e") is None
+    assert not clone.put("s3://b/b", "e", b"y") and ("s3://b/a", "e") not in clone
+    s = clone.stats()
+    assert (s.misses, s.write_errors, s.entries, s.volume_bytes) == (2, 1, 0, 0)
+    (warning,) = _warnings(caplog)
+    assert str(tmp_path / "c") in warning.getMessage()
+
+
+def test_write_pause_expires(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = BlobCache(tmp_path, size_limit="10MB", write_pause=0.2)
+    cache._write_failed(OSError(28, "No space left on device"))
+    assert not cache.put("s3://b/a", "e", b"x")  # paused: not even tried
+    time.sleep(0.3)
+    assert cache.put("s3://b/a", "e", b"x")
+    s = cache.stats()
+    assert (s.write_errors, s.stored) == (2, 1) and len(_warnings(caplog)) == 1
+
+
+# -- property: size accounting ------------------------------------------------------------------
+
+_ops = st.lists(st.tuples(st.sampled_from(["put", "get"]), st.integers(0, 7), st.integers(0, 1)), max_size=40)
+# One size per (url, identity): the same identity always means the same bytes.
+_sizes = st.lists(st.sampled_from([0, 10, 3_000, 31_000, 33_000, 70_000, 150_000]), min_size=16, max_size=16)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_ops, sizes=_sizes, policy=st.sampled_from(["admit", "lru"]), room=st.integers(0, 400_000))
+@example(ops=[("put", u, 0) for u in range(8)], sizes=[70_000] * 16, policy="lru", room=200_000)
+@example(ops=[("put", u, 0) for u in range(8)], sizes=[20_000] * 16, policy="admit", room=100_000)
+def test_size_accounting_property(
+    ops: list[tuple[str, int, int]], sizes: list[int], policy: str, room: int
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        base = BlobCache(tmp, size_limit=0).stats().volume_bytes
+        limit = base + room
+        cache = BlobCache(tmp, size_limit=limit, policy=policy)  # type: ignore[arg-type]
+        model: dict[int, tuple[int, bytes]] = {}  # url -> (identity, bytes), exact for "admit"
+        puts = gets = 0
+        for op, url, identity in ops:
+            data = value(url * 10 + identity, sizes[url * 2 + identity])
+            if op == "put":
+                puts += 1
+                if cache.put(f"s3://b/{url}", str(identity), data):
+                    model[url] = (identity, data)
+            else:
+                gets += 1
+                got = cache.get(f"s3://b/{url}", str(identity))
+                expected = model[url][1] if model.get(url, (None,))[0] == identity else None
+                if policy == "admit" or got is not None:
+                    assert got == expected
+            s = cache.stats()
+            assert s.volume_bytes <= limit + SLACK_BYTES
+            assert s.hits + s.misses == gets and s.stored + s.rejected + s.write_errors == puts
+            assert s.corrupt == 0 and s.write_errors == 0
+            if policy == "admit":
+                assert s.entries == len(model)
+        on_disk = sum(p.stat().st_size for p in value_files(Path(tmp)))
+        assert on_disk + (Path(tmp) / "cache.db").stat().st_size <= limit + SLACK_BYTES
+        cache.close()
