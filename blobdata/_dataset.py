@@ -1,0 +1,427 @@
+"""``FolderDataset``: torchvision's ``ImageFolder`` contract over a bucket URL.
+
+Where each byte comes from, in order: the look-ahead stage (:mod:`blobdata._lookahead`), the local
+cache (:mod:`blobdata._cache`), the bucket (:mod:`blobdata._fetch`). The sample table is a compact
+:class:`~blobdata._manifest.Manifest` of numpy arrays, so forked DataLoader workers share it instead of
+copying it page by page. Everything that talks to the network (the fetch engine, the cache handle, the
+staging area) is created lazily in each process and recreated when the process id changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, overload
+
+import numpy as np
+import torch.utils.data
+
+from ._cache import BlobCache
+from ._config import FetchOptions, parse_size
+from ._decode import decode, default_loader
+from ._errors import BlobdataError, CacheError, ConfigError
+from ._fetch import FetchEngine
+from ._fs import redact, resolve_storage_options
+from ._listing import load_or_list
+from ._lookahead import PlanChannel, PlanningBatchSampler, Stager
+from ._loop import get_loop, run, submit
+from ._manifest import Manifest
+from ._url import parse_url
+
+__all__ = ["FolderDataset"]
+
+log = logging.getLogger("blobdata")
+
+OnError = Literal["raise", "skip"] | Callable[[str, BaseException], None]
+
+
+class _Samples(Sequence[tuple[str, int]]):
+    """``samples`` as ImageFolder has it, ``(path_or_url, class_index)``, built on access from the arrays."""
+
+    def __init__(self, manifest: Manifest, local: bool) -> None:
+        self._m = manifest
+        self._local = local
+
+    def __len__(self) -> int:
+        return len(self._m)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, int]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[str, int]]: ...
+    def __getitem__(self, i: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        url = self._m.url(i)
+        return (url[len("file://") :] if self._local else url, int(self._m.targets[i]))
+
+
+class _Targets(Sequence[int]):
+    def __init__(self, targets: np.ndarray) -> None:
+        self._t = targets
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return [int(x) for x in self._t[i]]
+        return int(self._t[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._t.tolist())
+
+
+class _Process:
+    """Per-process handles: fetch engine, cache, staging area. Never pickled."""
+
+    def __init__(self, ds: FolderDataset) -> None:
+        self.pid = os.getpid()
+        self.engine = FetchEngine(
+            ds.fetch_options, ds._protocol, resolve_storage_options(ds._protocol, ds._storage_options)
+        )
+        self.cache: BlobCache | None = None
+        if ds.cache_dir is not None:
+            try:
+                self.cache = BlobCache(ds.cache_dir, size_limit=ds.cache_size, policy=ds.cache_policy)
+            except (CacheError, OSError) as exc:
+                log.warning(
+                    "blobdata: cache %s unusable, reading from the network only: %s", ds.cache_dir, exc
+                )
+        self.stager: Stager | None = None
+        self.plan_seq: int | None = None
+        self.pending_puts = 0
+        # Connections belong to this process's loop: close them there when this state goes away.
+        weakref.finalize(self, _close_engine, self.engine, self.pid)
+
+
+def _close_engine(engine: FetchEngine, pid: int) -> None:
+    if os.getpid() == pid:
+        with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
+            submit(engine.aclose())
+
+
+class FolderDataset(torch.utils.data.Dataset[Any]):
+    """A folder of class sub-folders in a bucket, with the contract of torchvision's ``ImageFolder``.
+
+    ``root`` is any supported URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://`` or a local
+    path). ``transform``, ``target_transform``, ``loader``, ``extensions``, ``is_valid_file`` and
+    ``allow_empty`` behave as in ImageFolder; ``loader`` receives a binary file object holding the
+    object's bytes (``name`` is its URL) instead of a path. Keyword-only settings:
+
+    storage_options:  fsspec options of the backend (endpoint, credentials); the environment's usual
+                      variables apply where these are silent.
+    cache_dir:        a local directory (an SSD) that keeps fetched objects across epochs and jobs;
+                      None (default) caches nothing.
+    cache_size:       the cache's size bound, bytes or ``"100GB"`` (default 100GB).
+    cache_policy:     ``"admit"`` (default; best for shuffled epochs: keep what was admitted once full)
+                      or ``"lru"``.
+    manifest:         a precomputed listing (local path or URL) to use instead of listing the bucket.
+    refresh:          list the bucket again even if a remembered listing exists (default False).
+    on_error:         ``"raise"`` (default): a sample that cannot be fetched or decoded raises an error
+                      naming its URL. ``"skip"``: it is dropped from its batch (``__getitem__`` returns the
+                      next good sample) and reported as a warning on the ``blobdata`` logger and in
+                      :attr:`errors`. A callable ``(url, exc)`` skips and is called for each bad sample.
+    fetch_options:    :class:`FetchOptions` (requests in flight, deadline, retries, part size).
+    lookahead:        samples each process fetches ahead of the sampler's order (default 1024; 0 disables);
+                      effective with loaders from :meth:`dataloader`.
+    lookahead_bytes:  bytes each process may hold staged ahead (default 256MiB).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        loader: Callable[[Any], Any] | None = None,
+        extensions: tuple[str, ...] | None = None,
+        is_valid_file: Callable[[str], bool] | None = None,
+        allow_empty: bool = False,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_size: int | str = "100GB",
+        cache_policy: Literal["admit", "lru"] = "admit",
+        manifest: str | os.PathLike[str] | None = None,
+        refresh: bool = False,
+        on_error: OnError = "raise",
+        fetch_options: FetchOptions | None = None,
+        lookahead: int = 1024,
+        lookahead_bytes: int | str = "256MiB",
+    ) -> None:
+        url = parse_url(root)
+        if on_error not in ("raise", "skip") and not callable(on_error):
+            raise ConfigError(f"on_error must be 'raise', 'skip' or a callable, got {on_error!r}")
+        if cache_policy not in ("admit", "lru"):
+            raise ConfigError(f"cache_policy must be 'admit' or 'lru', got {cache_policy!r}")
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
+        self.root = str(url)
+        self._protocol = url.protocol
+        self._storage_options = dict(storage_options or {})
+        self.transform = transform
+        self.target_transform = target_transform
+        self.loader = loader if loader is not None else default_loader
+        self.extensions = extensions
+        self.fetch_options = fetch_options if fetch_options is not None else FetchOptions()
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self.cache_size = parse_size(cache_size, name="cache_size")
+        self.cache_policy = cache_policy
+        self.on_error = on_error
+        self.lookahead = lookahead
+        self.lookahead_bytes = parse_size(lookahead_bytes, name="lookahead_bytes")
+        self.errors: list[tuple[str, BlobdataError]] = []
+        self._manifest = load_or_list(
+            self.root,
+            storage_options=resolve_storage_options(self._protocol, self._storage_options),
+            refresh=refresh,
+            manifest=os.fspath(manifest) if manifest is not None else None,
+            extensions=extensions,
+            is_valid_file=is_valid_file,
+            allow_empty=allow_empty,
+            concurrency=self.fetch_options.concurrency,
+        )
+        self.classes: list[str] = list(self._manifest.classes)
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self._channel: PlanChannel | None = None
+        self._proc: _Process | None = None
+        self._trace: list[int] | None = None  # when a list, the order loads start in (tests, diagnostics)
+
+    # -- ImageFolder compatibility -------------------------------------------------------------
+    @property
+    def manifest(self) -> Manifest:
+        """The listing this dataset reads (compact arrays; save it to share it with other nodes)."""
+        return self._manifest
+
+    @property
+    def samples(self) -> Sequence[tuple[str, int]]:
+        """``(path_or_url, class_index)`` per sample, built on access (no per-sample Python objects held)."""
+        return _Samples(self._manifest, self._protocol == "file")
+
+    imgs = samples
+
+    @property
+    def targets(self) -> Sequence[int]:
+        return _Targets(self._manifest.targets)
+
+    def __len__(self) -> int:
+        return len(self._manifest)
+
+    def __repr__(self) -> str:
+        opts = f", storage_options={redact(self._storage_options)}" if self._storage_options else ""
+        cache = f", cache_dir={self.cache_dir!r}, cache_size={self.cache_size}" if self.cache_dir else ""
+        return (
+            f"FolderDataset({self.root!r}, samples={len(self)}, classes={len(self.classes)}{opts}{cache}, "
+            f"transform={self.transform!r})"
+        )
+
+    # -- pickling: per-process state stays behind --------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_proc"] = None
+        state["errors"] = []
+        return state
+
+    # -- reading -----------------------------------------------------------------------------------
+    def __getitem__(self, index: int) -> Any:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} samples")
+        index %= n
+        if self.on_error == "raise":
+            return self.__getitems__([index])[0]
+        for attempt in range(min(n, 16)):
+            got = self.__getitems__([(index + attempt) % n])
+            if got:
+                return got[0]
+        raise BlobdataError(
+            f"16 consecutive samples from index {index} of {self.root} failed; see the warnings"
+        )
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Fetch all samples of a batch at once (misses requested concurrently), then decode them."""
+        idx = [int(i) for i in indices]
+        datas = run(self._gather(idx))
+        out: list[Any] = []
+        m = self._manifest
+        for i, data in zip(idx, datas, strict=True):
+            url = m.url(i)
+            try:
+                if isinstance(data, BaseException):
+                    raise data
+                sample = decode(data, url, self.loader)
+                if self.transform is not None:
+                    sample = self.transform(sample)
+                target: Any = int(m.targets[i])
+                if self.target_transform is not None:
+                    target = self.target_transform(target)
+            except BlobdataError as exc:
+                if self.on_error == "raise":
+                    raise
+                self._report(url, exc)
+                continue
+            out.append((sample, target))
+        return out
+
+    def _report(self, url: str, exc: BlobdataError) -> None:
+        self.errors.append((url, exc))
+        log.warning("blobdata: skipped bad sample %s: %s", url, exc)
+        if callable(self.on_error):
+            self.on_error(url, exc)
+
+    def _process(self) -> _Process:
+        proc = self._proc
+        if proc is None or proc.pid != os.getpid():
+            proc = self._proc = _Process(self)
+        return proc
+
+    async def _load(self, i: int) -> bytes:
+        """Bytes of sample ``i``: from the cache, else from the bucket (then offered to the cache)."""
+        proc = self._process()
+        if self._trace is not None:
+            self._trace.append(i)
+        m = self._manifest
+        url, identity = m.url(i), m.identity(i)
+        cache = proc.cache
+        loop = asyncio.get_running_loop()
+        if cache is not None:
+            data = await loop.run_in_executor(None, cache.get, url, identity)
+            if data is not None:
+                return data
+        data, _ = await proc.engine.fetch(url, size=m.size(i), identity=identity)
+        if cache is not None:
+            proc.pending_puts += 1
+            put = loop.run_in_executor(None, cache.put, url, identity, data)
+            put.add_done_callback(lambda _f: _done_put(proc))
+            if proc.pending_puts > 64:  # bound the bytes waiting to be written
+                await put
+        return data
+
+    def _stager(self, proc: _Process) -> Stager | None:
+        if self.lookahead <= 0:
+            return None
+        if proc.stager is None:
+            proc.stager = Stager(
+                self._load,
+                lambda i: int(self._manifest.sizes[i]),
+                max_items=self.lookahead,
+                max_bytes=self.lookahead_bytes,
+            )
+        return proc.stager
+
+    def _look_ahead(self, proc: _Process, indices: list[int]) -> None:
+        """Stage the batches this process will be given after ``indices``, as the plan says."""
+        channel = self._channel
+        stager = self._stager(proc)
+        if channel is None or stager is None:
+            return
+        plan = channel.current()
+        k = plan.locate(indices) if plan is not None else None
+        if plan is None or k is None:
+            plan = channel.current(reload=True)
+            k = plan.locate(indices) if plan is not None else None
+            if plan is None or k is None:
+                return
+        if proc.plan_seq != plan.seq:
+            stager.clear()  # a new epoch: what was staged for the old order is useless
+            proc.plan_seq = plan.seq
+        info = torch.utils.data.get_worker_info()
+        stride = info.num_workers if info is not None else 1
+        ahead: list[int] = []
+        nxt = k + stride
+        while nxt < plan.num_batches and len(ahead) < stager.max_items:
+            ahead.extend(plan.batch(nxt).tolist())
+            nxt += stride
+        stager.schedule(ahead)
+
+    async def _gather(self, indices: list[int]) -> list[bytes | BaseException]:
+        proc = self._process()
+        stager = proc.stager
+        tasks: list[asyncio.Future[bytes]] = []
+        for i in indices:
+            staged = stager.pop(i) if stager is not None else None
+            tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
+        # After this batch's own requests, so that the order requests start in is the sampler's.
+        self._look_ahead(proc, indices)
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+    # -- loaders that know the order ---------------------------------------------------------------
+    def dataloader(
+        self,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        sampler: torch.utils.data.Sampler[int] | None = None,
+        *,
+        drop_last: bool = False,
+        generator: torch.Generator | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        **kwargs: Any,
+    ) -> torch.utils.data.DataLoader[Any]:
+        """A standard ``torch.utils.data.DataLoader`` whose order blobdata sees, so it can fetch ahead.
+
+        Takes DataLoader's arguments. The order is exactly what ``DataLoader(self, batch_size, shuffle,
+        sampler, drop_last=..., generator=...)`` would produce: blobdata only wraps the batch sampler to
+        publish each epoch's batches to the workers. Use ``sampler=DistributedSampler(ds)`` for DDP (each
+        rank then fetches only its own indices) and call ``sampler.set_epoch(e)`` as usual.
+        """
+        if "batch_sampler" in kwargs:
+            raise ConfigError("pass sampler= (or shuffle=) to FolderDataset.dataloader, not batch_sampler=")
+        if sampler is not None and shuffle:
+            raise ConfigError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
+        if sampler is None:
+            sampler = (
+                torch.utils.data.RandomSampler(self, generator=generator)
+                if shuffle
+                else torch.utils.data.SequentialSampler(self)
+            )
+        batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
+        channel = PlanChannel()
+        self._channel = channel
+        return torch.utils.data.DataLoader(
+            self,
+            batch_sampler=PlanningBatchSampler(batches, channel),
+            generator=generator,
+            worker_init_fn=_WorkerInit(channel, worker_init_fn),
+            **kwargs,
+        )
+
+    def close(self) -> None:
+        """Drop this process's staged data and cache handle (they are recreated on next use)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.pid == os.getpid():
+            if proc.stager is not None:
+                get_loop().call_soon_threadsafe(proc.stager.clear)
+            if proc.cache is not None:
+                proc.cache.close()
+            proc.engine.close()
+
+
+def _done_put(proc: _Process) -> None:
+    proc.pending_puts -= 1
+
+
+class _WorkerInit:
+    """Points the worker's dataset copy at its loader's plan channel, then runs the user's init."""
+
+    def __init__(self, channel: PlanChannel, user: Callable[[int], None] | None) -> None:
+        self.channel = channel
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        if info is not None and isinstance(info.dataset, FolderDataset):
+            info.dataset._channel = self.channel
+        if self.user is not None:
+            self.user(worker_id)
