@@ -21,19 +21,32 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from ._errors import ConfigError
 
 __all__ = ["FetchOptions", "cache_home", "env", "parse_duration", "parse_size"]
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
-    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
-    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
-    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "ki": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "mi": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "gi": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+    "ti": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
@@ -125,7 +138,9 @@ class FetchOptions:
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
         if not isinstance(retries, int) or retries < 1:
-            raise ConfigError(f"retries must be an integer >= 1 (attempts, the first included), got {retries!r}")
+            raise ConfigError(
+                f"retries must be an integer >= 1 (attempts, the first included), got {retries!r}"
+            )
         part = parse_size(part_size, name="part_size")
         if part < 1024 * 64:
             raise ConfigError(f"part_size must be at least 64KiB, got {part_size!r}")

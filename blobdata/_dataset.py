@@ -28,7 +28,7 @@ from ._fetch import FetchEngine
 from ._fs import redact, resolve_storage_options
 from ._listing import load_or_list
 from ._lookahead import PlanChannel, PlanningBatchSampler, Stager
-from ._loop import get_loop, run, submit
+from ._loop import close_at_exit, get_loop, run, submit
 from ._manifest import Manifest
 from ._url import parse_url
 
@@ -103,8 +103,10 @@ class _Process:
         self.stager: Stager | None = None
         self.plan_seq: int | None = None
         self.pending_puts = 0
-        # Connections belong to this process's loop: close them there when this state goes away.
+        # Connections belong to this process's loop: close them there when this state goes away,
+        # or at interpreter exit, whichever comes first.
         weakref.finalize(self, _close_engine, self.engine, self.pid)
+        close_at_exit(self.engine)
 
 
 def _close_engine(engine: FetchEngine, pid: int) -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from ._errors import DecodeError
 
@@ -39,7 +40,8 @@ def default_loader(file: ObjectFile) -> Image.Image:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with Image.open(file, formats=IMAGE_FORMATS) as img:
             img.load()
-            return img.convert("RGB")
+            rgb: Image.Image = img.convert("RGB")
+            return rgb
 
 
 def decode(data: bytes, url: str, loader: Callable[[Any], Any]) -> Any:
@@ -55,11 +57,13 @@ def decode(data: bytes, url: str, loader: Callable[[Any], Any]) -> Any:
             "PIL.Image.MAX_IMAGE_PIXELS if the image is genuine",
             url=url,
         ) from exc
-    except Image.UnidentifiedImageError as exc:
+    except UnidentifiedImageError as exc:
         raise DecodeError(
             f"cannot decode {url} ({len(data)} bytes): not an image in one of the formats "
             f"{', '.join(IMAGE_FORMATS)}",
             url=url,
         ) from exc
     except Exception as exc:
-        raise DecodeError(f"cannot decode {url} ({len(data)} bytes): {type(exc).__name__}: {exc}", url=url) from exc
+        raise DecodeError(
+            f"cannot decode {url} ({len(data)} bytes): {type(exc).__name__}: {exc}", url=url
+        ) from exc

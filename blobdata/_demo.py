@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=2, help="epochs; the first is cold (default 2)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
-    parser.add_argument("--server", choices=["weed", "moto"], default="weed", help="local S3 server")
+    parser.add_argument(
+        "--server", choices=["seaweedfs", "moto"], default="seaweedfs", help="local S3 server"
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -131,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         client.create_bucket(Bucket="demo")
         t0 = time.perf_counter()
         sent = upload(client, "demo", synthetic_dataset(args.images, args.classes))
-        print(f"uploaded {args.images} JPEGs ({sent / 1e6:.1f} MB) to s3://demo/train in "
-              f"{time.perf_counter() - t0:.1f}s on {server.endpoint_url}")
+        print(
+            f"uploaded {args.images} JPEGs ({sent / 1e6:.1f} MB) to s3://demo/train in "
+            f"{time.perf_counter() - t0:.1f}s on {server.endpoint_url}"
+        )
 
         t0 = time.perf_counter()
         ds = FolderDataset(
@@ -155,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                 logits = model(images.float().div_(255))
                 loss = torch.nn.functional.cross_entropy(logits, targets)
                 opt.zero_grad()
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 opt.step()
                 seen += len(targets)
-                loss_sum += float(loss) * len(targets)
+                loss_sum += float(loss.detach()) * len(targets)
             dt = time.perf_counter() - t0
             kind = "cold, from the bucket" if epoch == 0 else "warm, from the local cache"
-            print(f"epoch {epoch}: {seen} images in {dt:.2f}s = {seen / dt:.0f} images/s ({kind}); "
-                  f"first batch after {first or 0:.2f}s; mean loss {loss_sum / max(seen, 1):.3f}")
+            print(
+                f"epoch {epoch}: {seen} images in {dt:.2f}s = {seen / dt:.0f} images/s ({kind}); "
+                f"first batch after {first or 0:.2f}s; mean loss {loss_sum / max(seen, 1):.3f}"
+            )
     return 0

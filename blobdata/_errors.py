@@ -7,7 +7,7 @@ working around code that moved from local files to a bucket::
     BlobdataError(Exception)
     ├── ConfigError(ValueError)          bad argument, URL, size or environment value
     ├── NotFound(FileNotFoundError)      bucket, prefix or object does not exist
-    │   └── EmptyDatasetError            no class folder / no valid file (ImageFolder raises FileNotFoundError too)
+    │   └── EmptyDatasetError            no class folder or no valid file (as ImageFolder)
     ├── AccessDenied(PermissionError)    credentials missing or refused (HTTP 401/403)
     ├── FetchError(OSError)              an object could not be read after the retry budget
     │   ├── Throttled                    the store kept answering 429/503 SlowDown

@@ -18,8 +18,8 @@ import shutil
 import tempfile
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,7 +27,7 @@ __all__ = ["Plan", "PlanChannel", "PlanningBatchSampler", "Stager"]
 
 
 class Plan:
-    """One epoch's batches: ``flat`` indices and ``offsets`` (batch ``k`` is ``flat[offsets[k]:offsets[k+1]]``)."""
+    """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``."""
 
     def __init__(self, seq: int, flat: np.ndarray, offsets: np.ndarray) -> None:
         self.seq = seq

@@ -3,7 +3,11 @@
 Every coroutine blobdata runs (listing, fetching, look-ahead) goes through :func:`run` or
 :func:`submit`. The loop is created lazily and recreated when ``os.getpid()`` changes, so a
 DataLoader worker started by fork never touches the parent's loop (which has no thread there),
-and spawn/forkserver workers simply start their own. The loop is stopped at interpreter exit.
+and spawn/forkserver workers simply start their own.
+
+At interpreter exit the objects registered with :func:`close_at_exit` are closed on the loop. The
+loop itself is left running (its thread is a daemon): fsspec's filesystems close their sessions in
+``weakref.finalize`` callbacks that run later in the exit sequence and need a running loop.
 """
 
 from __future__ import annotations
@@ -11,16 +15,25 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import os
 import threading
-from typing import Any, Awaitable, Coroutine, TypeVar
+import weakref
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
 
-__all__ = ["get_loop", "run", "submit"]
+__all__ = ["close_at_exit", "get_loop", "run", "submit"]
 
 T = TypeVar("T")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"pid": None, "loop": None, "thread": None}
+_closables: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def close_at_exit(obj: Any) -> None:
+    """Await ``obj.aclose()`` on the loop at interpreter exit, if ``obj`` is still alive then."""
+    _closables.add(obj)
 
 
 def get_loop() -> asyncio.AbstractEventLoop:
@@ -78,22 +91,13 @@ def _shutdown() -> None:
     loop = _state["loop"]
     if loop is None or _state["pid"] != os.getpid():
         return
-    thread = _state["thread"]
 
-    async def _cancel_all() -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def _close_all() -> None:
+        closers = [obj.aclose() for obj in list(_closables)]
+        await asyncio.gather(*closers, return_exceptions=True)
 
-    try:
-        asyncio.run_coroutine_threadsafe(_cancel_all(), loop).result(2.0)
-    except Exception:
-        pass
-    loop.call_soon_threadsafe(loop.stop)
-    if thread is not None:
-        thread.join(2.0)
-    _state.update(loop=None, thread=None, pid=None)
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(_close_all(), loop).result(2.0)
 
 
 atexit.register(_shutdown)

@@ -17,10 +17,15 @@ from ._errors import ConfigError
 __all__ = ["CLOUD_PROTOCOLS", "BlobURL", "parse_url", "safe_relpath"]
 
 _ALIASES = {
-    "s3": "s3", "s3a": "s3",
-    "gs": "gs", "gcs": "gs",
-    "az": "az", "abfs": "az", "abfss": "az",
-    "file": "file", "local": "file",
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gs",
+    "gcs": "gs",
+    "az": "az",
+    "abfs": "az",
+    "abfss": "az",
+    "file": "file",
+    "local": "file",
     "memory": "memory",
 }
 CLOUD_PROTOCOLS = frozenset({"s3", "gs", "az"})
@@ -98,7 +103,7 @@ def safe_relpath(key: str, *, url: str | None = None) -> str:
     parts = key.split("/")
     if any(p in ("", ".", "..") for p in parts):
         raise ConfigError(
-            f"object key {key!r} has an empty, '.' or '..' segment and cannot be used as a local path ({where})",
+            f"object key {key!r} has an empty, '.' or '..' segment and cannot name a local path ({where})",
             url=url,
         )
     assert posixpath.normpath(key) == key

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from blobdata import FolderDataset
 
 
@@ -21,7 +19,9 @@ def make_transform():
     try:
         from torchvision.transforms import v2
 
-        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()])
+        return v2.Compose(
+            [v2.PILToTensor(), v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()]
+        )
     except ImportError:  # torchvision is optional
         from blobdata._demo import TrainTransform
 
@@ -40,15 +40,24 @@ def main() -> None:
     args = parser.parse_args()
 
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
-    ds = FolderDataset(args.url, transform=make_transform(), storage_options=options,
-                       cache_dir=args.cache_dir, cache_size=args.cache_size)
+    ds = FolderDataset(
+        args.url,
+        transform=make_transform(),
+        storage_options=options,
+        cache_dir=args.cache_dir,
+        cache_size=args.cache_size,
+    )
     print(ds)
     # A standard DataLoader; dataloader() only lets blobdata see the order so it can fetch ahead.
-    loader = ds.dataloader(batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                           persistent_workers=args.workers > 0)
+    loader = ds.dataloader(
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+    )
     for epoch in range(args.epochs):
         t0, seen = time.perf_counter(), 0
-        for images, targets in loader:
+        for _images, targets in loader:
             seen += len(targets)  # your training step goes here
         print(f"epoch {epoch}: {seen / (time.perf_counter() - t0):.0f} images/s")
 

@@ -8,8 +8,16 @@ from blobdata._config import parse_duration, parse_size
 
 @pytest.mark.parametrize(
     "text,expected",
-    [("100GB", 100 * 10**9), ("512MiB", 512 * 2**20), ("8M", 8 * 10**6), ("1.5kb", 1500), (" 7 ", 7), (42, 42),
-     ("0", 0), ("2TiB", 2 * 2**40)],
+    [
+        ("100GB", 100 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("8M", 8 * 10**6),
+        ("1.5kb", 1500),
+        (" 7 ", 7),
+        (42, 42),
+        ("0", 0),
+        ("2TiB", 2 * 2**40),
+    ],
 )
 def test_parse_size(text: object, expected: int) -> None:
     assert parse_size(text) == expected  # type: ignore[arg-type]
@@ -26,7 +34,9 @@ def test_parse_size_of_a_byte_count_is_identity(n: int) -> None:
     assert parse_size(str(n)) == n == parse_size(n)
 
 
-@pytest.mark.parametrize("text,expected", [("30s", 30.0), ("250ms", 0.25), ("2m", 120.0), (1.5, 1.5), ("1h", 3600.0)])
+@pytest.mark.parametrize(
+    "text,expected", [("30s", 30.0), ("250ms", 0.25), ("2m", 120.0), (1.5, 1.5), ("1h", 3600.0)]
+)
 def test_parse_duration(text: object, expected: float) -> None:
     assert parse_duration(text) == pytest.approx(expected)  # type: ignore[arg-type]
 

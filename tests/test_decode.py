@@ -16,8 +16,18 @@ def _encode(img: Image.Image, fmt: str) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("fmt,mode", [("JPEG", "RGB"), ("PNG", "RGBA"), ("PNG", "L"), ("BMP", "RGB"),
-                                       ("TIFF", "RGB"), ("WEBP", "RGB"), ("PPM", "RGB")])
+@pytest.mark.parametrize(
+    "fmt,mode",
+    [
+        ("JPEG", "RGB"),
+        ("PNG", "RGBA"),
+        ("PNG", "L"),
+        ("BMP", "RGB"),
+        ("TIFF", "RGB"),
+        ("WEBP", "RGB"),
+        ("PPM", "RGB"),
+    ],
+)
 def test_default_loader_decodes_to_rgb_from_memory(fmt: str, mode: str) -> None:
     arr = (np.arange(12 * 10 * 3, dtype=np.uint8) % 251).reshape(10, 12, 3)
     img = Image.fromarray(arr).convert(mode)
@@ -35,9 +45,13 @@ def test_truncated_jpeg_is_a_decode_error_naming_the_url() -> None:
 
 @pytest.mark.parametrize(
     "payload",
-    [b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n", b"%PDF-1.4\n1 0 obj\n<<>>\nendobj\n",
-     b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff!\xf9\x04\x01\x00\x00\x00\x00,\x00\x00\x00\x00"
-     b"\x01\x00\x01\x00\x00\x02\x02D\x01\x00;", b"not an image at all"],
+    [
+        b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n",
+        b"%PDF-1.4\n1 0 obj\n<<>>\nendobj\n",
+        b"GIF89a\x01\x00\x01\x00\x80\x00\x00\x00\x00\x00\xff\xff\xff!\xf9\x04\x01\x00\x00\x00\x00,\x00\x00\x00\x00"
+        b"\x01\x00\x01\x00\x00\x02\x02D\x01\x00;",
+        b"not an image at all",
+    ],
 )
 def test_non_image_formats_are_refused_without_sniffing_plugins(payload: bytes) -> None:
     with pytest.raises(DecodeError, match="not an image"):

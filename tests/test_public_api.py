@@ -6,9 +6,24 @@ import blobdata
 def test_all_is_sorted_and_exact() -> None:
     assert blobdata.__all__ == sorted(blobdata.__all__)
     assert set(blobdata.__all__) == {
-        "AccessDenied", "BlobCache", "BlobdataError", "CacheError", "CacheStats", "ConfigError",
-        "DecodeError", "EmptyDatasetError", "FetchError", "FetchOptions", "FetchTimeout", "FolderDataset",
-        "Manifest", "ManifestError", "NotFound", "ObjectChanged", "Throttled", "__version__",
+        "AccessDenied",
+        "BlobCache",
+        "BlobdataError",
+        "CacheError",
+        "CacheStats",
+        "ConfigError",
+        "DecodeError",
+        "EmptyDatasetError",
+        "FetchError",
+        "FetchOptions",
+        "FetchTimeout",
+        "FolderDataset",
+        "Manifest",
+        "ManifestError",
+        "NotFound",
+        "ObjectChanged",
+        "Throttled",
+        "__version__",
     }
     for name in blobdata.__all__:
         assert hasattr(blobdata, name), name

@@ -44,13 +44,19 @@ def test_child_keeps_keys_verbatim() -> None:
         assert str(root.child(key)) == "s3://b/root/" + key
 
 
-@pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "a//b", "a/./b", "a/..", "", "a\\b", "a\x00b", "..", "a/"])
+@pytest.mark.parametrize(
+    "key", ["../etc/passwd", "/abs", "a//b", "a/./b", "a/..", "", "a\\b", "a\x00b", "..", "a/"]
+)
 def test_safe_relpath_refuses_escapes(key: str) -> None:
     with pytest.raises(ConfigError):
         safe_relpath(key)
 
 
-@given(st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=8), max_size=5))
+@given(
+    st.lists(
+        st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=0, max_size=8), max_size=5
+    )
+)
 def test_safe_relpath_never_escapes(parts: list[str]) -> None:
     key = "/".join(parts)
     base = "/srv/cache"
