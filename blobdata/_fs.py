@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import fsspec
 
 from ._config import env
-from ._errors import ConfigError
+from ._errors import AccessDenied, ConfigError
 from ._loop import get_loop
 
 __all__ = ["get_fs", "options_token", "redact", "resolve_storage_options"]
@@ -42,21 +43,46 @@ def resolve_storage_options(protocol: str, storage_options: Mapping[str, Any] | 
         if client_kwargs:
             opts["client_kwargs"] = client_kwargs
     elif protocol == "gs":
-        if "endpoint_url" not in opts:
-            host = env("STORAGE_EMULATOR_HOST")
-            if host:
-                opts["endpoint_url"] = host if "://" in host else "http://" + host
-                opts.setdefault("token", "anon")
+        host = env("STORAGE_EMULATOR_HOST")
+        if "endpoint_url" not in opts and host:
+            opts["endpoint_url"] = host if "://" in host else "http://" + host
+            opts.setdefault("token", "anon")
     elif protocol == "az":
-        if not any(k in opts for k in ("connection_string", "account_name", "account_url")):
-            conn = env("AZURE_STORAGE_CONNECTION_STRING")
-            if conn:
-                opts["connection_string"] = conn
-            else:
-                account = env("AZURE_STORAGE_ACCOUNT_NAME") or env("AZURE_STORAGE_ACCOUNT")
-                if account:
-                    opts["account_name"] = account
+        _resolve_azure(opts)
     return opts
+
+
+# adlfs reads these itself; blobdata's own Azure reader must see the same credentials, so they are
+# folded into the options here (storage_options win over the environment).
+_AZURE_ENV = (
+    ("account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
+    ("sas_token", "AZURE_STORAGE_SAS_TOKEN"),
+    ("client_id", "AZURE_STORAGE_CLIENT_ID"),
+    ("client_secret", "AZURE_STORAGE_CLIENT_SECRET"),
+    ("tenant_id", "AZURE_STORAGE_TENANT_ID"),
+)
+_AZURE_CREDENTIALS = ("connection_string", "account_key", "sas_token", "credential", "client_id")
+
+
+def _resolve_azure(opts: dict[str, Any]) -> None:
+    if not {"connection_string", "account_name", "account_url"} & opts.keys():
+        conn = env("AZURE_STORAGE_CONNECTION_STRING")
+        account = env("AZURE_STORAGE_ACCOUNT_NAME") or env("AZURE_STORAGE_ACCOUNT")
+        if conn:
+            opts["connection_string"] = conn
+        elif account:
+            opts["account_name"] = account
+    if "connection_string" in opts:
+        return
+    for name, var in _AZURE_ENV:
+        value = env(var)
+        if name not in opts and value:
+            opts[name] = value
+    if "anon" not in opts and not any(opts.get(k) for k in _AZURE_CREDENTIALS):
+        # An account name and no credential is anonymous access to a public container (adlfs would
+        # try DefaultAzureCredential); anon=False or AZURE_STORAGE_ANON=false asks for that chain.
+        flag = env("AZURE_STORAGE_ANON")
+        opts["anon"] = flag.lower() not in ("false", "0", "f", "no") if flag else True
 
 
 def options_token(protocol: str, storage_options: Mapping[str, Any]) -> str:
@@ -103,7 +129,10 @@ def get_fs(protocol: str, storage_options: Mapping[str, Any] | None = None) -> A
         cls = fsspec.get_filesystem_class(_fsspec_protocol(protocol))
         kwargs: dict[str, Any] = dict(opts)
         if getattr(cls, "async_impl", False):
-            kwargs.update(asynchronous=True, loop=get_loop())
+            # Bound to blobdata's loop; blobdata only awaits the ``_``-prefixed coroutines, on that
+            # loop. ``asynchronous=False`` on purpose: fsspec drops ``loop`` when asynchronous=True, and
+            # the backends' weakref finalizers then have no loop to close their sessions on at exit.
+            kwargs.update(asynchronous=False, loop=get_loop())
         if protocol == "s3":
             # s3fs/aiobotocore default to 10 pooled connections; listing runs many prefixes at once.
             config_kwargs = dict(kwargs.get("config_kwargs") or {})
@@ -116,5 +145,12 @@ def get_fs(protocol: str, storage_options: Mapping[str, Any] | None = None) -> A
             fs = cls(**kwargs)
         except TypeError as exc:
             raise ConfigError(f"invalid storage_options for {protocol}://: {exc}") from None
+        except Exception as exc:
+            # Credential resolution failed (a bad token, an unreachable token service, ...). The
+            # backend's text is dropped: gcsfs and adlfs put tokens and connection strings in theirs.
+            raise AccessDenied(
+                f"could not set up {protocol}:// access from storage_options and the environment "
+                f"({type(exc).__name__}): check the credentials (token, key, connection string)"
+            ) from None
         _cache[key] = fs
         return fs
