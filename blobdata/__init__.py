@@ -7,7 +7,6 @@
 
 from ._cache import BlobCache, CacheStats
 from ._config import FetchOptions
-from ._dataset import FolderDataset
 from ._errors import (
     AccessDenied,
     BlobdataError,
@@ -23,6 +22,20 @@ from ._errors import (
     Throttled,
 )
 from ._manifest import Manifest
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from ._dataset import FolderDataset
+
+
+def __getattr__(name: str) -> object:
+    # FolderDataset needs torch (seconds to import); the command line and the cache do not.
+    if name == "FolderDataset":
+        from ._dataset import FolderDataset
+
+        return FolderDataset
+    raise AttributeError(f"module 'blobdata' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
