@@ -21,52 +21,41 @@ exactly once, and each node's share is known without talking to the others.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import collections
-import concurrent.futures
-import dataclasses
 import json
 import logging
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
-from ._config import FetchOptions, parse_size
-from ._errors import BlobdataError, CacheError, ConfigError, ManifestError
+from ._config import parse_size
+from ._errors import BlobdataError, ConfigError, ManifestError
 from ._fs import redact, resolve_storage_options
 from ._url import parse_url
+from ._warm import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    human_size,
+    open_cache,
+    print_summary,
+    used_bytes,
+    warm,
+)
 
-__all__ = ["WarmSummary", "main", "parse_storage_options", "warm"]
+__all__ = ["main", "parse_storage_options"]
 
 log = logging.getLogger("blobdata")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-#: When this many objects have failed and none has succeeded, warm stops: the cause is almost always
-#: shared (credentials, endpoint, a stale listing) and retrying a million objects would not help.
-ABORT_AFTER_FAILURES = 64
-_SHOW_FAILURES = 5
-#: Threads writing to the cache. A cache write spends most of its time in the kernel (creating and
-#: writing the value file, GIL released), only its short index commit is serialised, so on a busy or
-#: slow disk many writers keep up with the network where a few fall behind.
-PUT_THREADS = 32
 _SECRET_WORDS = ("secret", "token", "password", "key", "credential", "sas", "connection", "signature")
 
 
 # -- small helpers -------------------------------------------------------------------------------
-
-
-def human_size(n: float) -> str:
-    """``1234567`` -> ``"1.23 MB"`` (decimal units, as ``parse_size`` reads them)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
@@ -128,409 +117,6 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
 # -- warm ----------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class WarmSummary:
-    """What one ``warm`` run did. Byte counts are bytes; ``seconds`` is wall time of the fetch phase."""
-
-    url: str
-    shard_objects: int = 0
-    shard_bytes: int = 0
-    skipped: int = 0
-    skipped_bytes: int = 0
-    fetched: int = 0
-    fetched_bytes: int = 0
-    failed: int = 0
-    not_admitted: int = 0
-    not_admitted_bytes: int = 0
-    cache_full: bool = False
-    interrupted: bool = False
-    aborted: bool = False
-    seconds: float = 0.0
-    failures: list[tuple[str, str]] = dataclasses.field(default_factory=list)
-    first_error: BaseException | None = None
-    write_error: CacheError | None = None
-    cache_info: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.fetched_bytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
-
-    def exit_code(self) -> int:
-        if self.interrupted:
-            return EXIT_INTERRUPTED
-        return EXIT_FAILED if self.failed or self.write_error else EXIT_OK
-
-
-class _ByteBudget:
-    """At most ``limit`` bytes reserved at once, granted first come, first served.
-
-    An object larger than ``limit`` is granted alone (when nothing else is held), so it neither
-    deadlocks nor starves behind a stream of small ones. Used on one event loop only.
-    """
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
-
-    def _fits(self, n: int) -> bool:
-        return self.used == 0 or self.used + n <= self.limit
-
-    async def acquire(self, n: int) -> None:
-        if not self._waiters and self._fits(n):
-            self.used += n
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        entry = (n, waiter)
-        self._waiters.append(entry)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release(n)  # granted just as it was cancelled: give the bytes back
-            else:
-                self._waiters.remove(entry)
-                self._grant()  # it may have been the head that held the others back
-            raise
-
-    def release(self, n: int) -> None:
-        self.used -= n
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters and self._fits(self._waiters[0][0]):
-            n, waiter = self._waiters.popleft()
-            self.used += n
-            waiter.set_result(None)
-
-
-@dataclasses.dataclass
-class _Job:
-    manifest: Any
-    todo: list[int]
-    engine: Any
-    cache: Any
-    workers: int
-    buffer_bytes: int
-    room: int | None  # bytes this run may add before the cache is full; None: no bound
-    summary: WarmSummary
-    progress: Any
-    put_pool: concurrent.futures.ThreadPoolExecutor
-
-
-async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
-    """Fetch every index of ``job.todo`` into the cache, ``job.workers`` at a time, until ``stop``.
-
-    Fetched bytes wait in memory only until their cache write ends, and never exceed
-    ``job.buffer_bytes`` in total. Cache writes run in ``job.put_pool`` (diskcache is synchronous).
-    """
-    loop = asyncio.get_running_loop()
-    m, s = job.manifest, job.summary
-    budget = _ByteBudget(job.buffer_bytes)
-    order: Iterator[int] = iter(job.todo)
-    stores: set[asyncio.Future[None]] = set()
-    admitted = 0
-
-    def fail(url: str, exc: BaseException) -> None:
-        s.failed += 1
-        if s.first_error is None:
-            s.first_error = exc
-        if len(s.failures) < _SHOW_FAILURES:
-            s.failures.append((url, str(exc) or type(exc).__name__))
-        if s.fetched == 0 and s.failed >= min(ABORT_AFTER_FAILURES, len(job.todo)):
-            s.aborted = True
-            stop.set()
-
-    async def store(url: str, identity: str, data: bytes, size: int) -> None:
-        try:
-            ok = await loop.run_in_executor(job.put_pool, job.cache.put, url, identity, data)
-        except Exception as exc:  # put() promises not to raise; count it if it does
-            fail(url, exc)
-            return
-        finally:
-            budget.release(size)
-        if ok:
-            s.fetched += 1
-            s.fetched_bytes += len(data)
-            job.progress.update(len(data))
-            job.progress.set_postfix_str(f"{s.fetched}/{len(job.todo)} objects", refresh=False)
-        elif _refusal(job.cache) == "full":
-            # Admit no more, but let the requests in flight finish: smaller ones may still fit.
-            s.cache_full = True
-            s.not_admitted += 1
-            s.not_admitted_bytes += len(data)
-        else:
-            # The cache pauses writes after an I/O error (ENOSPC, EIO, ...): fetching more is wasted.
-            s.write_error = CacheError(
-                f"cannot write to the cache in {job.cache.directory} (see the warning above): free space "
-                "or choose another --cache-dir",
-                url=job.cache.directory,
-            )
-            stop.set()
-
-    async def worker() -> None:
-        nonlocal admitted
-        while not stop.is_set() and not s.cache_full:
-            i = next(order, None)
-            if i is None:
-                return
-            size = int(m.sizes[i])
-            if job.room is not None and admitted + size > job.room:
-                # Stop at the first object that does not fit (what is cached is a prefix of the order);
-                # the requests in flight, admitted before, finish.
-                s.cache_full = True
-                s.not_admitted += 1
-                s.not_admitted_bytes += size
-                return
-            admitted += size
-            url, identity = m.url(i), m.identity(i)
-            await budget.acquire(size)
-            try:
-                data, _ = await job.engine.fetch(url, size=size, identity=identity)
-            except Exception as exc:
-                budget.release(size)
-                fail(url, exc)
-                continue
-            except BaseException:
-                budget.release(size)
-                raise
-            task = asyncio.ensure_future(store(url, identity, data, size))
-            stores.add(task)
-            task.add_done_callback(stores.discard)
-
-    workers = [asyncio.ensure_future(worker()) for _ in range(job.workers)]
-    stopper = asyncio.ensure_future(stop.wait())
-    try:
-        # Finish when every worker is done, or stop early (Ctrl-C, cache full, all failing).
-        pending: set[asyncio.Future[Any]] = {stopper, *workers}
-        while not stopper.done() and any(not w.done() for w in workers):
-            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopper.cancel()
-        for w in workers:
-            w.cancel()  # cancels in-flight requests; nothing of theirs reaches the cache
-        results = await asyncio.gather(*workers, return_exceptions=True)
-        # Writes already handed to a thread finish (each is atomic); wait so the summary is exact.
-        if stores:
-            await asyncio.gather(*list(stores), return_exceptions=True)
-    if s.cache_full:
-        for j in order:
-            s.not_admitted += 1
-            s.not_admitted_bytes += int(m.sizes[j])
-    for r in results:
-        if isinstance(r, Exception):
-            raise r  # a bug, not a fetch failure (those are counted): let it surface
-
-
-def _refusal(cache: Any) -> str:
-    """Why the cache refused a put: ``"full"`` (admit policy, no room) or ``"error"`` (I/O error).
-
-    The cache object is this run's own, so its per-process counters count only this run's puts.
-    """
-    try:
-        return "error" if cache.stats().write_errors else "full"
-    except Exception:
-        return "error"
-
-
-def _open_cache(directory: str, size: int | str = "100GB", policy: Literal["admit", "lru"] = "admit") -> Any:
-    from ._cache import BlobCache
-
-    try:
-        return BlobCache(directory, size_limit=size, policy=policy)
-    except CacheError:
-        raise
-    except OSError as exc:
-        raise CacheError(
-            f"cannot use cache directory {directory}: {exc.strerror or exc}; pick a writable --cache-dir",
-            url=directory,
-        ) from exc
-
-
-def _used_bytes(info: dict[str, Any]) -> int:
-    used = info.get("bytes", 0)
-    return int(used) if isinstance(used, (int, float)) else 0
-
-
-def warm(
-    url: str,
-    *,
-    cache_dir: str,
-    cache_size: int | str = "100GB",
-    cache_policy: Literal["admit", "lru"] = "admit",
-    storage_options: dict[str, Any] | None = None,
-    concurrency: int = 64,
-    rank: int = 0,
-    world_size: int = 1,
-    manifest: Any = None,
-    buffer_size: int | str = "256MiB",
-    progress: bool = True,
-    dry_run: bool = False,
-    out: TextIO | None = None,
-) -> WarmSummary:
-    """Fill ``cache_dir`` with this rank's share of the objects of ``manifest`` (a Manifest of ``url``).
-
-    Objects already cached are skipped, so a second run fetches only what is missing. With the
-    ``admit`` policy the run stops at the first object that no longer fits. ``buffer_size`` bounds
-    the fetched bytes held in memory (default 256MiB). Ctrl-C cancels in-flight requests, waits for the
-    cache writes already started (each is atomic) and returns with ``interrupted`` set.
-    """
-    from ._fetch import FetchEngine
-    from ._loop import submit
-
-    out = out if out is not None else sys.stdout
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(
-            f"--rank must be in 0..{world_size - 1} and --world-size >= 1, got {rank}/{world_size}"
-        )
-    buffer_bytes = parse_size(buffer_size, name="--buffer-size")
-    limit = parse_size(cache_size, name="--cache-size")
-    m = manifest
-    summary = WarmSummary(url=m.root)
-    shard = np.arange(rank, len(m), world_size, dtype=np.int64)
-    summary.shard_objects = len(shard)
-    summary.shard_bytes = int(m.sizes[shard].sum())
-    cache = _open_cache(cache_dir, limit, cache_policy)
-    try:
-        todo: list[int] = []
-        t_scan = time.monotonic()
-        for i in shard.tolist():
-            if (m.url(i), m.identity(i)) in cache:
-                summary.skipped += 1
-                summary.skipped_bytes += int(m.sizes[i])
-            else:
-                todo.append(i)
-        log.debug("checked %d objects against the cache in %.2fs", len(shard), time.monotonic() - t_scan)
-        missing = summary.shard_bytes - summary.skipped_bytes
-        used = _used_bytes(cache.info())
-        # admit keeps what it admitted: only the free room can be filled. lru would evict to make room,
-        # but past its own limit a run would evict what it fetched itself, so it stops there too.
-        room = max(0, limit - used) if cache_policy == "admit" else max(0, limit - summary.skipped_bytes)
-        if dry_run:
-            fits = "fits in" if missing <= room else "does NOT fit in"
-            print(
-                f"would fetch {len(todo)} of {len(shard)} objects ({human_size(missing)}); "
-                f"{summary.skipped} already cached ({human_size(summary.skipped_bytes)})\n"
-                f"{fits} the cache: {human_size(room)} free of {human_size(limit)} ({cache_policy}) "
-                f"in {cache_dir}",
-                file=out,
-            )
-            summary.cache_info = cache.info()
-            return summary
-        if not todo:
-            summary.cache_info = cache.info()
-            return summary
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=missing,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1000,
-            desc="warm",
-            file=sys.stderr,
-            disable=not progress,
-            dynamic_ncols=True,
-            mininterval=0.5 if sys.stderr.isatty() else 10.0,
-        )
-        engine = FetchEngine(
-            FetchOptions(concurrency=concurrency), parse_url(m.root).protocol, storage_options
-        )
-        pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(PUT_THREADS, concurrency), thread_name_prefix="blobdata-put"
-        )
-        job = _Job(m, todo, engine, cache, concurrency, buffer_bytes, room, summary, bar, pool)
-        stop_box: list[asyncio.Event] = []
-
-        async def go() -> None:
-            stop = asyncio.Event()
-            stop_box.append(stop)
-            try:
-                await _fetch_all(job, stop)
-            finally:
-                await engine.aclose()
-
-        t0 = time.monotonic()
-        future = submit(go())
-        try:
-            _wait(future, on_interrupt=lambda: _set_soon(stop_box))
-        except KeyboardInterrupt:
-            summary.interrupted = True
-            try:
-                _wait(future, on_interrupt=None, timeout=60.0)
-            except (KeyboardInterrupt, concurrent.futures.TimeoutError):
-                future.cancel()  # a second Ctrl-C: leave now; cache writes are atomic anyway
-        finally:
-            summary.seconds = time.monotonic() - t0
-            bar.close()
-            pool.shutdown(wait=True, cancel_futures=True)
-        summary.cache_info = cache.info()
-        return summary
-    finally:
-        cache.close()
-
-
-def _set_soon(box: list[asyncio.Event]) -> None:
-    from ._loop import get_loop
-
-    if box:
-        get_loop().call_soon_threadsafe(box[0].set)
-
-
-def _wait(
-    future: concurrent.futures.Future[None],
-    *,
-    on_interrupt: Callable[[], None] | None,
-    timeout: float | None = None,
-) -> None:
-    """Wait for ``future`` in short slices so that Ctrl-C is seen promptly; re-raise the result's error.
-
-    On KeyboardInterrupt, ``on_interrupt`` asks the coroutine to stop, and the interrupt propagates.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        try:
-            future.result(timeout=0.2)
-            return
-        except concurrent.futures.TimeoutError:
-            if deadline is not None and time.monotonic() > deadline:
-                raise
-        except KeyboardInterrupt:
-            if on_interrupt is not None:
-                on_interrupt()
-            raise
-
-
-def _print_summary(s: WarmSummary, *, rank: int, world_size: int, cache_dir: str, out: TextIO) -> None:
-    head = "interrupted" if s.interrupted else ("stopped" if s.aborted else "warmed")
-    shard = f"rank {rank} of {world_size}: " if world_size > 1 else ""
-    lines = [
-        f"{head} {s.url} ({shard}{s.shard_objects} objects, {human_size(s.shard_bytes)})",
-        f"  fetched  {s.fetched} objects, {human_size(s.fetched_bytes)} in {s.seconds:.1f}s"
-        f" = {s.mb_per_s:.1f} MB/s",
-        f"  skipped  {s.skipped} objects already cached ({human_size(s.skipped_bytes)})",
-        f"  failed   {s.failed} objects",
-    ]
-    for url, message in s.failures:
-        lines.append(f"    {url}: {message}")
-    if s.failed > len(s.failures):
-        lines.append(f"    ... and {s.failed - len(s.failures)} more")
-    if s.cache_full:
-        lines.append(
-            f"  cache full: {s.not_admitted} objects ({human_size(s.not_admitted_bytes)}) not admitted; "
-            "raise --cache-size or use a larger disk"
-        )
-    info = s.cache_info
-    if info:
-        limit = info.get("limit")
-        limit_text = f" of {human_size(limit)}" if isinstance(limit, int) else ""
-        lines.append(
-            f"  cache    {cache_dir}: {info.get('entries', '?')} entries, "
-            f"{human_size(_used_bytes(info))}{limit_text} ({info.get('policy', '?')})"
-        )
-    print("\n".join(lines), file=out, flush=True)
-
-
 def _cmd_warm(args: argparse.Namespace) -> int:
     url = str(parse_url(args.url))
     opts = parse_storage_options(args.storage_option or [])
@@ -563,7 +149,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     )
     if args.dry_run:
         return EXIT_OK
-    _print_summary(
+    print_summary(
         summary, rank=args.rank, world_size=args.world_size, cache_dir=args.cache_dir, out=sys.stdout
     )
     if summary.interrupted:
@@ -656,7 +242,7 @@ def _existing_cache(directory: str) -> Any:
         from ._errors import NotFound
 
         raise NotFound(f"no cache at {directory}: the directory does not exist", url=directory)
-    return _open_cache(directory)
+    return open_cache(directory)
 
 
 def _cmd_cache_info(args: argparse.Namespace) -> int:
@@ -671,7 +257,7 @@ def _cmd_cache_info(args: argparse.Namespace) -> int:
     info.pop("limit", None)
     if size is not None:
         info["limit"] = size
-        info["free"] = max(0, size - _used_bytes(info))
+        info["free"] = max(0, size - used_bytes(info))
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return EXIT_OK
@@ -695,7 +281,7 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
         cache.clear()
     finally:
         cache.close()
-    removed = f"{before.get('entries', '?')} entries, {human_size(_used_bytes(before))}"
+    removed = f"{before.get('entries', '?')} entries, {human_size(used_bytes(before))}"
     print(f"cleared {args.cache_dir}: removed {removed}")
     return EXIT_OK
 

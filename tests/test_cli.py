@@ -17,9 +17,10 @@ from urllib.parse import unquote
 import pytest
 
 from blobdata._cache import BlobCache
-from blobdata._cli import _ByteBudget, human_size, main, parse_storage_options
+from blobdata._cli import main, parse_storage_options
 from blobdata._errors import ConfigError
 from blobdata._manifest import Manifest
+from blobdata._warm import _ByteBudget, human_size
 
 pytestmark = pytest.mark.usefixtures("isolated_cache_home")
 
