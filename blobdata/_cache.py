@@ -48,6 +48,7 @@ per process (each worker counts its own); volume and entries come from the share
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -62,7 +63,9 @@ import threading
 import time
 import weakref
 import zlib
-from typing import Any, Literal
+from collections.abc import Sequence
+from multiprocessing import util as mp_util
+from typing import Any, Literal, NamedTuple
 
 import diskcache
 
@@ -75,7 +78,7 @@ try:  # a dependency of google-cloud-storage (hence gcsfs); hardware CRC32C is ~
 except ImportError:  # pragma: no cover - zlib's crc32 is the fallback
     google_crc32c = None
 
-__all__ = ["SLACK_BYTES", "WAL_SLACK_BYTES", "BlobCache", "CacheStats"]
+__all__ = ["SLACK_BYTES", "WAL_SLACK_BYTES", "BlobCache", "CacheStats", "CacheWriter"]
 
 _log = logging.getLogger("blobdata")
 
@@ -137,10 +140,6 @@ class _Corrupt(Exception):
     """A value whose bytes fail their checksum or length."""
 
 
-class _Rollback(Exception):
-    """Leave a transaction without changes."""
-
-
 @dataclasses.dataclass(frozen=True)
 class _Staged:
     """A value file already written and renamed; its row is not inserted yet."""
@@ -154,6 +153,16 @@ class _Inline:
     """A small value with its checksum header, stored inside the index row."""
 
     blob: bytes
+
+
+class _Pending(NamedTuple):
+    """A value ready to be committed: its position in the batch, key, URL, value and bytes needed."""
+
+    pos: int
+    key: str
+    url: str
+    value: _Staged | _Inline
+    need: int
 
 
 def _checksum(data: bytes) -> tuple[str, int]:
@@ -456,97 +465,131 @@ class BlobCache:
         False when not admitted (policy ``"admit"`` and full, or larger than the cache) or on any
         I/O error; never raises for those. An entry for another identity of ``url`` is replaced.
         """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"BlobCache.put takes bytes, got {type(data).__name__}")
-        data = bytes(data)
+        return self.put_many([(url, identity, data)])[0]
+
+    def put_many(self, items: Sequence[tuple[str, str, bytes]]) -> list[bool]:
+        """:meth:`put` for several ``(url, identity, data)`` at once, with one index transaction.
+
+        The write lock of the shared index is the contended part of a put (every worker of every
+        job on the node takes it); a batch takes it once. Value files are written before the lock.
+        """
+        results = [False] * len(items)
+        for _, _, data in items:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"BlobCache.put takes bytes, got {type(data).__name__}")
+        if not items:
+            return results
         if time.monotonic() < self._paused_until:
-            self._bump("write_errors")
-            return False
-        key = _key(url, identity)
-        staged: _Staged | None = None
+            self._bump("write_errors", len(items))
+            return results
+        pending: list[_Pending] = []
         dc: Any = None
         try:
             dc = self._connect()
             sql = dc._sql
-            if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone() is not None:
-                self._bump("stored")
-                return True
             page_bytes, size_sum = self._volume(sql)
-            need = len(data) + _HEADER.size
-            # A cheap check before writing anything; the authoritative one is in _commit.
-            full = page_bytes + size_sum + need > self._size_limit
-            if page_bytes + need > self._size_limit or (
-                self._policy == "admit"
-                and full
-                and page_bytes + size_sum - self._stale_bytes(sql, url) + need > self._size_limit
-            ):
-                self._bump("rejected")
-                return False
-            if len(data) < _MIN_FILE_SIZE:
-                kind, crc = _checksum(data)
-                value: _Staged | _Inline = _Inline(_HEADER.pack(kind.encode(), crc) + data)
-            else:
-                value = staged = self._stage(data)
-            stored, removed = self._commit(dc, key, url, value, need)
+            planned = 0
+            for i, (url, identity, raw) in enumerate(items):
+                data = bytes(raw)
+                key = _key(url, identity)
+                if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone() is not None:
+                    results[i] = True
+                    self._bump("stored")
+                    continue
+                need = len(data) + _HEADER.size
+                # A cheap check before writing anything; the authoritative one is in _commit.
+                full = page_bytes + size_sum + planned + need > self._size_limit
+                if page_bytes + need > self._size_limit or (
+                    self._policy == "admit"
+                    and full
+                    and page_bytes + size_sum + planned - self._stale_bytes(sql, url) + need
+                    > self._size_limit
+                ):
+                    self._bump("rejected")
+                    continue
+                if len(data) < _MIN_FILE_SIZE:
+                    kind, crc = _checksum(data)
+                    value: _Staged | _Inline = _Inline(_HEADER.pack(kind.encode(), crc) + data)
+                else:
+                    value = self._stage(data)
+                pending.append(_Pending(i, key, url, value, need))
+                planned += need
+            outcome, removed = self._commit(dc, pending) if pending else ({}, [])
         except (OSError, sqlite3.Error, diskcache.Timeout, CacheError) as exc:
             if dc is not None:
                 _rollback_quietly(dc)
-                if staged is not None:
-                    dc.disk.remove(staged.filename)
+                for p in pending:
+                    if isinstance(p.value, _Staged):
+                        dc.disk.remove(p.value.filename)
             self._write_failed(exc)
-            return False
+            return results
         except BaseException:
-            if staged is not None:
-                dc.disk.remove(staged.filename)
+            for p in pending:
+                if isinstance(p.value, _Staged):
+                    dc.disk.remove(p.value.filename)
             raise
-        if not stored and staged is not None:  # rejected, or the same key stored by another process
-            dc.disk.remove(staged.filename)
+        stored = evicted = 0
+        for p in pending:
+            state = outcome.get(p.pos)
+            if state is not True and isinstance(p.value, _Staged):
+                dc.disk.remove(p.value.filename)  # rejected, or the same key stored by another process
+            if state is False:
+                self._bump("rejected")
+            else:
+                results[p.pos] = True
+                stored += 1
         for filename in removed:  # after COMMIT: a crash here leaves orphans, swept later
             dc.disk.remove(filename)
+            evicted += 1
         if stored:
             self._bound_wal(dc)
-        if stored is False:
-            self._bump("rejected")
-            return False
-        with self._lock:
-            self._counts["stored"] += 1
-            self._counts["evictions"] += len(removed)
-        return True
+            with self._lock:
+                self._counts["stored"] += stored
+                self._counts["evictions"] += evicted
+        return results
 
-    def _commit(
-        self, dc: Any, key: str, url: str, value: _Staged | _Inline, need: int
-    ) -> tuple[bool | None, list[str]]:
-        """Check room and insert in one BEGIN IMMEDIATE transaction: (stored, files to delete).
+    def _commit(self, dc: Any, pending: list[_Pending]) -> tuple[dict[int, bool | None], list[str]]:
+        """Check room and insert each pending value in one BEGIN IMMEDIATE transaction.
 
-        stored is None when the key was already present (the staged file is then redundant).
+        Returns ({index: stored}, files to delete). stored is None when the key was already present
+        (its staged file is then redundant), False when it did not fit.
         """
         removed: list[str | None] = []
-        try:
-            with dc.transact():
-                sql = dc._sql
-                if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone() is not None:
-                    return None, []
+        outcome: dict[int, bool | None] = {}
+        with dc.transact():
+            sql = dc._sql
+            for p in pending:
+                if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (p.key,)).fetchone() is not None:
+                    outcome[p.pos] = None
+                    continue
                 # Entries for other identities of this URL are stale: the object changed.
                 stale = sql(
                     "SELECT rowid, filename FROM Cache WHERE key >= ? AND key < ? AND raw = 1",
-                    _url_range(url),
+                    _url_range(p.url),
                 ).fetchall()
                 for rowid, filename in stale:
                     sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
                     removed.append(filename)
                 page_bytes, size_sum = self._volume(sql)
-                excess = page_bytes + size_sum + need - self._size_limit
+                excess = page_bytes + size_sum + p.need - self._size_limit
                 if excess > 0:
-                    if self._policy == "admit" or page_bytes + need > self._size_limit:
-                        raise _Rollback
-                    removed += self._evict(sql, excess)
-                dc.set(key, value)
-        except _Rollback:
-            return False, []
-        return True, [name for name in removed if name]
+                    if self._policy == "admit" or page_bytes + p.need > self._size_limit:
+                        outcome[p.pos] = False
+                        continue
+                    evicted = self._evict(sql, excess)
+                    if evicted is None:
+                        outcome[p.pos] = False
+                        continue
+                    removed += evicted
+                dc.set(p.key, p.value)
+                outcome[p.pos] = True
+        return outcome, [name for name in removed if name]
 
-    def _evict(self, sql: Any, excess: int) -> list[str | None]:
-        """Delete least-recently-used rows until ``excess`` bytes are freed (inside a transaction)."""
+    def _evict(self, sql: Any, excess: int) -> list[str | None] | None:
+        """Delete least-recently-used rows until ``excess`` bytes are freed (inside a transaction).
+
+        None if the index holds too little to free (only when the index alone exceeds the limit).
+        """
         removed: list[str | None] = []
         while excess > 0:
             rows = sql(
@@ -554,7 +597,7 @@ class BlobCache:
                 " ORDER BY access_time LIMIT 32"
             ).fetchall()
             if not rows:
-                raise _Rollback  # cannot happen unless the index alone exceeds the limit
+                return None
             for rowid, filename, nbytes in rows:
                 sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
                 removed.append(filename)
@@ -636,9 +679,9 @@ class BlobCache:
             dc.disk.remove(filename)
         return deleted
 
-    def _bump(self, name: str) -> None:
+    def _bump(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self._counts[name] += 1
+            self._counts[name] += n
 
     def _write_failed(self, exc: BaseException) -> None:
         self._bump("write_errors")
@@ -816,3 +859,85 @@ def _chmod_private(path: str, mode: int) -> None:
         return
     if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
         os.chmod(path, mode)
+
+
+class CacheWriter:
+    """Writes into a :class:`BlobCache` from one background thread, many entries per transaction.
+
+    The fetch path calls :meth:`offer` and moves on: it never waits for the disk or for the
+    index's write lock. Entries queue up to ``max_bytes`` (default 64 MiB); beyond that an offer
+    is dropped (the object is simply not cached this time) and counted in ``dropped``. The thread
+    takes up to ``batch`` queued entries at a time and commits them with one
+    :meth:`BlobCache.put_many`. Pending entries are flushed when the process exits normally,
+    including DataLoader workers (a multiprocessing finalizer), within ``flush_timeout`` seconds.
+    """
+
+    def __init__(
+        self, cache: BlobCache, *, max_bytes: int = 64 * 2**20, batch: int = 64, flush_timeout: float = 4.0
+    ) -> None:
+        self.cache = cache
+        self.max_bytes = max_bytes
+        self.batch = batch
+        self.flush_timeout = flush_timeout
+        self.dropped = 0
+        self._queue: list[tuple[str, str, bytes]] = []
+        self._bytes = 0
+        self._busy = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def offer(self, url: str, identity: str, data: bytes) -> bool:
+        """Queue ``data`` for the cache; False (and counted) if the queue is full."""
+        with self._cond:
+            if self._bytes + len(data) > self.max_bytes and self._queue:
+                self.dropped += 1
+                return False
+            self._queue.append((url, identity, data))
+            self._bytes += len(data)
+            self._cond.notify()
+        if self._thread is None or self._pid != os.getpid():
+            self._start()
+        return True
+
+    def _start(self) -> None:
+        with self._cond:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._run, name="blobdata-cache-writer", daemon=True)
+            self._thread.start()
+        # Flush at a normal exit: atexit in a main process, multiprocessing's finalizers in its
+        # children (DataLoader workers leave through os._exit after running those, not atexit).
+        atexit.register(self.flush)
+        mp_util.Finalize(self, self.flush, exitpriority=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                todo, self._queue = self._queue[: self.batch], self._queue[self.batch :]
+                self._busy = True
+            try:
+                self.cache.put_many(todo)
+            except Exception as exc:  # put_many already turns I/O errors into False
+                _log.debug("blobdata cache %s: background write failed (%s)", self.cache.directory, exc)
+            finally:
+                with self._cond:
+                    self._bytes -= sum(len(d) for _, _, d in todo)
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything offered so far is written; False if ``timeout`` passed first."""
+        if self._thread is None or self._pid != os.getpid():
+            return not self._queue
+        deadline = time.monotonic() + (self.flush_timeout if timeout is None else timeout)
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True

@@ -25,7 +25,16 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from blobdata._cache import SLACK_BYTES, WAL_SLACK_BYTES, BlobCache, CacheStats, Policy, _BytesDisk, _Refused
+from blobdata._cache import (
+    SLACK_BYTES,
+    WAL_SLACK_BYTES,
+    BlobCache,
+    CacheStats,
+    CacheWriter,
+    Policy,
+    _BytesDisk,
+    _Refused,
+)
 from blobdata._errors import CacheError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -688,3 +697,39 @@ def test_size_accounting_property(
         on_disk = sum(p.stat().st_size for p in value_files(Path(tmp)))
         assert on_disk + (Path(tmp) / "cache.db").stat().st_size <= limit + SLACK_BYTES
         cache.close()
+
+
+def test_put_many_commits_a_batch_with_per_entry_outcomes(tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path / "c", size_limit=400_000)
+    cache.put("s3://b/old", "v1", b"o" * 50_000)
+    items = [
+        ("s3://b/old", "v1", b"o" * 50_000),  # already there
+        ("s3://b/new1", "e1", b"a" * 100_000),
+        ("s3://b/new2", "e2", b"b" * 10_000),  # small: inline in the index
+        ("s3://b/huge", "e3", b"c" * 1_000_000),  # larger than the cache
+        ("s3://b/new3", "e4", b"d" * 100_000),
+        ("s3://b/new4", "e5", b"e" * 100_000),  # does not fit any more under "admit"
+    ]
+    assert cache.put_many(items) == [True, True, True, False, True, False]
+    for url, ident, data in items:
+        assert cache.get(url, ident) == (data if url not in ("s3://b/huge", "s3://b/new4") else None)
+    stats = cache.stats()
+    assert stats.volume_bytes <= 400_000 + SLACK_BYTES
+    assert stats.rejected == 2
+    assert cache.put_many([]) == []
+    with pytest.raises(TypeError):
+        cache.put_many([("s3://b/x", "e", "not bytes")])  # type: ignore[list-item]
+
+
+def test_cache_writer_batches_in_the_background_and_drops_when_full(tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path / "c", size_limit="10MB")
+    writer = CacheWriter(cache, max_bytes=300_000, batch=8)
+    offered = [writer.offer(f"s3://b/k{i}", "e", bytes([i]) * 100_000) for i in range(40)]
+    assert writer.flush(10.0)
+    stored = [i for i in range(40) if cache.get(f"s3://b/k{i}", "e") == bytes([i]) * 100_000]
+    accepted = [i for i, ok in enumerate(offered) if ok]
+    assert stored == accepted and len(accepted) >= 3
+    assert writer.dropped == 40 - len(accepted)
+    # nothing waits any more: a later offer is accepted and written
+    assert writer.offer("s3://b/late", "e", b"z" * 1000)
+    assert writer.flush(10.0) and cache.get("s3://b/late", "e") == b"z" * 1000
