@@ -2,9 +2,11 @@
 
 A :class:`FetchEngine` runs on blobdata's background loop (:mod:`blobdata._loop`). Each request
 goes through a *reader* (a small :class:`Reader` protocol): :class:`~blobdata._s3.S3Reader` for
-``s3://`` (the lean signed-GET path), :class:`FsspecReader` for every other protocol. Readers make
-exactly one attempt and raise :class:`TransientError` for what may be retried; the engine owns the
-only retry loop (exponential backoff with full jitter), so retries never stack with a client's own.
+``s3://`` (the lean signed-GET path), :class:`~blobdata._gcs.GCSReader` for ``gs://`` (generation
+pinned), :class:`~blobdata._azure.AzureReader` for ``az://`` (ETag pinned), :class:`FsspecReader`
+for ``file://`` and ``memory://``. Readers make exactly one attempt and raise
+:class:`TransientError` for what may be retried; the engine owns the only retry loop (exponential
+backoff with full jitter), so retries never stack with a client's own.
 
 Objects larger than ``part_size`` are read as parallel range requests pinned to one identity
 (ETag): if the object is replaced mid-read the result is :class:`ObjectChanged`, never bytes mixed
@@ -209,6 +211,14 @@ class FetchEngine:
             from ._s3 import S3Reader  # late: _s3 imports this module
 
             reader = S3Reader(self._storage_options, concurrency=self.options.concurrency)
+        elif self.protocol == "gs":
+            from ._gcs import GCSReader  # late, as above
+
+            reader = GCSReader(self._storage_options, concurrency=self.options.concurrency)
+        elif self.protocol == "az":
+            from ._azure import AzureReader  # late, as above
+
+            reader = AzureReader(self._storage_options, concurrency=self.options.concurrency)
         else:
             reader = FsspecReader(self.protocol, self._storage_options)
         st = _State(pid, loop, asyncio.Semaphore(self.options.concurrency), reader)

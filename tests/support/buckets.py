@@ -36,6 +36,7 @@ def unique_name(prefix: str = "t") -> str:
 
 class _Backend:
     scheme = ""
+    max_threads = _UPLOAD_THREADS  # uploads in flight that the server takes without dropping any
 
     def create(self, name: str) -> None:
         raise NotImplementedError
@@ -105,6 +106,8 @@ class _Azure(_Backend):
 
 class _GCS(_Backend):
     scheme = "gs"
+    # The emulator's HTTP server has a listen backlog of 5: more concurrent uploads get resets.
+    max_threads = 4
 
     def __init__(self, server: LocalGCSEmulator) -> None:
         self.server = server
@@ -197,7 +200,8 @@ class TestBucket:
         """Upload every ``{key: data}`` in parallel (``threads`` uploads in flight)."""
         if not objects:
             return
-        with concurrent.futures.ThreadPoolExecutor(min(threads, len(objects))) as pool:
+        threads = min(threads, self._backend.max_threads, len(objects))
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = [pool.submit(self._backend.put, self.name, k, v) for k, v in objects.items()]
             for future in futures:
                 future.result()

@@ -1,0 +1,226 @@
+"""The Azure Blob read path: ``azure.storage.blob.aio`` downloads pinned to the listed ETag.
+
+One ``BlobServiceClient`` per process (and event loop), built from the resolved storage options
+(adlfs's names): ``connection_string``; or ``account_name`` (or ``account_host`` / ``account_url``)
+with ``account_key``, ``sas_token``, ``credential`` or ``client_id``/``client_secret``/``tenant_id``;
+``anon=False`` alone uses ``DefaultAzureCredential``; ``account_name`` alone is anonymous access to a
+public container. The credential object lives as long as the client, so a token is fetched once per
+process and refreshed by the SDK, never per request.
+
+A read with an expected identity sends ``If-Match`` (``etag=``, ``MatchConditions.IfNotModified``):
+a replaced blob fails with 412, reported as :class:`ObjectChanged`. The identity is the ETag without
+quotes, as :func:`blobdata._listing.identity_from_info` stores it. The SDK's own retries are off
+(the engine owns the one retry budget) and its exception texts are never echoed: they can hold the
+request URL, SAS signature included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import AccessDenied, ConfigError, FetchError, NotFound, ObjectChanged
+from ._fetch import ReadResult, TransientError
+from ._fs import resolve_storage_options
+
+__all__ = ["AzureReader"]
+
+_RANGE_TOTAL_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)")
+_orphans: list[Any] = []  # clients inherited from a parent process: never closed here
+
+
+def _service_client(opts: Mapping[str, Any], concurrency: int) -> Any:
+    """A new aio ``BlobServiceClient`` for ``opts`` (call inside the running loop)."""
+    from azure.storage.blob.aio import BlobServiceClient
+
+    kwargs: dict[str, Any] = {
+        "retry_total": 0,  # the engine retries; the SDK's own retries would stack with ours
+        "connection_timeout": 20,
+        "read_timeout": 60,
+        "max_single_get_size": 2**31,  # one GET per read: ranges are the engine's business
+        "connection_data_block_size": 2**18,
+    }
+    if opts.get("connection_string"):
+        return BlobServiceClient.from_connection_string(
+            opts["connection_string"], credential=opts.get("credential"), **kwargs
+        )
+    account = opts.get("account_name")
+    url = opts.get("account_url")
+    if not url and opts.get("account_host"):
+        url = f"https://{opts['account_host']}"
+    if not url and account:
+        url = f"https://{account}.blob.core.windows.net"
+    if not url:
+        raise ConfigError(
+            "az:// needs storage_options with connection_string or account_name (or the environment's "
+            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_NAME)"
+        )
+    credential: Any = opts.get("credential")
+    if credential is None and opts.get("account_key"):
+        credential = {"account_name": account, "account_key": opts["account_key"]}
+    elif credential is None and opts.get("sas_token"):
+        from azure.core.credentials import AzureSasCredential
+
+        credential = AzureSasCredential(str(opts["sas_token"]).lstrip("?"))
+    elif credential is None and opts.get("client_id") and opts.get("client_secret"):
+        from azure.identity.aio import ClientSecretCredential
+
+        credential = ClientSecretCredential(opts["tenant_id"], opts["client_id"], opts["client_secret"])
+    elif credential is None and opts.get("anon") is False:
+        from azure.identity.aio import DefaultAzureCredential
+
+        credential = DefaultAzureCredential()
+    return BlobServiceClient(url, credential=credential, **kwargs)
+
+
+class AzureReader:
+    """ETag-pinned Azure Blob reads over one ``BlobServiceClient`` per process.
+
+    ``storage_options`` are adlfs's (see the module docstring); ``concurrency`` (default 64) is the
+    engine's bound on requests in flight (the SDK's aiohttp pool follows it).
+    """
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 64) -> None:
+        self._options = resolve_storage_options("az", storage_options)
+        self._concurrency = concurrency
+        self._client: Any = None
+        self._owner: tuple[int, asyncio.AbstractEventLoop] | None = None
+
+    def __repr__(self) -> str:
+        account = self._options.get("account_name") or ("connection string" if self._options else "?")
+        return f"AzureReader(account={account!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_client=None, _owner=None)
+        return state
+
+    def _get_client(self) -> Any:
+        owner = (os.getpid(), asyncio.get_running_loop())
+        if self._client is not None and self._owner == owner:
+            return self._client
+        if self._client is not None:
+            _orphans.append(self._client)  # another process's or loop's: not ours to close
+        self._client = _service_client(self._options, self._concurrency)
+        self._owner = owner
+        return self._client
+
+    async def close(self) -> None:
+        """Close this process's client (safe to call more than once)."""
+        client, owner = self._client, self._owner
+        self._client = self._owner = None
+        if client is None:
+            return
+        if owner is not None and owner[0] == os.getpid() and owner[1] is asyncio.get_running_loop():
+            await client.close()
+        else:
+            _orphans.append(client)
+
+    async def read(
+        self,
+        bucket: str,
+        key: str,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+        expect_identity: str | None = None,
+        timeout: float = 30.0,
+    ) -> ReadResult:
+        """One download of ``az://container/key`` (bytes ``[start, end)`` when given), no retries.
+
+        ``expect_identity`` is the listed ETag (quotes optional); ``timeout`` (seconds) bounds the
+        whole request, first byte to last.
+        """
+        from azure.core import MatchConditions
+
+        url = f"az://{bucket}/{key}"
+        blob = self._get_client().get_blob_client(bucket, key)
+        kwargs: dict[str, Any] = {"max_concurrency": 1}
+        if start is not None or end is not None:
+            kwargs["offset"] = start or 0
+            if end is not None:
+                kwargs["length"] = end - (start or 0)
+        if expect_identity:
+            kwargs.update(
+                etag=f'"{expect_identity.strip(chr(34))}"', match_condition=MatchConditions.IfNotModified
+            )
+
+        async def download() -> tuple[bytes, Any]:
+            downloader = await blob.download_blob(**kwargs)
+            return await downloader.readall(), downloader.properties
+
+        try:
+            body, props = await asyncio.wait_for(download(), timeout)
+        except Exception as exc:
+            err = _map_error(url, exc, timeout, expect_identity)
+            if isinstance(err, ObjectChanged) and not await self._exists(blob, timeout):
+                # Azure answers If-Match on a missing blob with 412 too: that is "not found".
+                err = NotFound(f"{url}: no such blob (HTTP 404); rebuild the listing with refresh=True", url)
+            raise err from None
+        etag = str(props.etag or "").strip('"')
+        if expect_identity and etag and etag != expect_identity.strip('"'):
+            raise ObjectChanged(
+                f"{url} changed since it was listed (ETag {expect_identity} listed, {etag} now): rebuild "
+                "the listing with refresh=True",
+                url,
+            )
+        m = _RANGE_TOTAL_RE.match(str(getattr(props, "content_range", "") or ""))
+        total = int(m.group(1)) if m else (len(body) if start is None and end is None else None)
+        return ReadResult(body, etag or expect_identity or "", total)
+
+    @staticmethod
+    async def _exists(blob: Any, timeout: float) -> bool:
+        """Whether the blob exists (True when that cannot be told: the caller's error stands)."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            await asyncio.wait_for(blob.get_blob_properties(), timeout)
+        except ResourceNotFoundError:
+            return False
+        except Exception:
+            return True
+        return True
+
+
+def _map_error(url: str, exc: BaseException, timeout: float, expected: str | None) -> BaseException:
+    """Translate an Azure SDK exception; its text is never used (it may hold a SAS URL)."""
+    from azure.core import exceptions as az
+
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, az.ServiceResponseTimeoutError)):
+        return TransientError("timeout", f"{url}: no complete response within {timeout:g}s")
+    if isinstance(exc, ConfigError):
+        return exc
+    status = getattr(exc, "status_code", None)
+    code = str(getattr(exc, "error_code", "") or "")
+    code = code.rsplit(".", 1)[-1]  # StorageErrorCode.CONTAINER_NOT_FOUND -> CONTAINER_NOT_FOUND
+    if isinstance(exc, az.ResourceModifiedError) or status == 412:
+        return ObjectChanged(
+            f"{url} changed since it was listed (ETag {expected} no longer matches, HTTP 412): rebuild the "
+            "listing with refresh=True",
+            url,
+        )
+    if isinstance(exc, az.ResourceNotFoundError) or status == 404:
+        if code.replace("_", "").lower() == "containernotfound":
+            return NotFound(f"{url}: the container does not exist (HTTP 404); check the URL and account", url)
+        return NotFound(
+            f"{url}: no such blob (HTTP 404); the listing may be stale, rebuild it with refresh=True", url
+        )
+    if isinstance(exc, az.ClientAuthenticationError) or status in (401, 403):
+        return AccessDenied(
+            f"{url}: access denied (HTTP {status or 403}); check the account key, SAS token or credential "
+            "in storage_options (or AZURE_STORAGE_CONNECTION_STRING)",
+            url,
+        )
+    if status in (429, 503, 500) or (isinstance(status, int) and status >= 500):
+        kind = "throttle" if status in (429, 503) else "server"
+        return TransientError(kind, f"{url}: HTTP {status}{' ' + code if code else ''}")
+    if isinstance(exc, az.IncompleteReadError):
+        return TransientError("short_read", f"{url}: connection closed mid-body")
+    if isinstance(exc, (az.ServiceRequestError, az.ServiceResponseError, ConnectionError)):
+        return TransientError("connection", f"{url}: connection failed ({type(exc).__name__})")
+    if isinstance(exc, az.HttpResponseError):
+        return FetchError(f"{url}: the store refused the request (HTTP {status} {code})", url)
+    return FetchError(f"{url}: read failed ({type(exc).__name__})", url)

@@ -1,0 +1,264 @@
+"""The GCS read path: JSON-API media downloads pinned to the listed generation.
+
+One aiohttp session per process; credentials come from gcsfs's own credential handling (``token``:
+a service-account file, a credentials object, ``"anon"``, ``"google_default"``, ...), taken from the
+per-process filesystem of :func:`blobdata._fs.get_fs`, so the listing and every read of a process
+share one resolution (one metadata-server round trip at most, never one per request or per worker
+thread). Refreshing an expiring token runs in a thread, off the event loop.
+
+Identity is the object's generation (what :func:`blobdata._listing.identity_from_info` stores for
+``gs://``). A read with an expected generation sends ``generation=N``: the store serves exactly that
+version, or 404 once it is gone (then :class:`ObjectChanged` if the object still exists, else
+:class:`NotFound`); the ``x-goog-generation`` response header is checked as well.
+
+Emulators: gcp-storage-emulator ignores ``generation=``, sends no ``x-goog-generation`` and checks
+no credentials. When the header is missing the reader asks the object's metadata *after* the
+download; generations only grow, so a metadata generation equal to the expected one proves the
+bytes were that version (one extra request per read, on such stores only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import yarl
+
+from ._errors import AccessDenied, FetchError, NotFound, ObjectChanged
+from ._fetch import ReadResult, TransientError
+from ._fs import get_fs, resolve_storage_options
+
+__all__ = ["GCSReader"]
+
+_DEFAULT_LOCATION = "https://storage.googleapis.com"
+_REFRESH_MARGIN_S = 300.0  # refresh a token this long before it expires (gcsfs uses the same margin)
+_orphans: list[Any] = []  # sessions inherited from a parent process: never closed here
+
+
+class GCSReader:
+    """Generation-pinned GCS GETs over one aiohttp session per process.
+
+    ``storage_options`` are gcsfs's: ``token``, ``project``, ``endpoint_url`` (or the environment's
+    ``STORAGE_EMULATOR_HOST``), ``requester_pays`` (True or a project to bill). ``concurrency``
+    (default 64) sizes the connection pool to match the fetch engine.
+    """
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 64) -> None:
+        self._options = resolve_storage_options("gs", storage_options)
+        endpoint = self._options.get("endpoint_url")
+        self._location = str(endpoint).rstrip("/") if endpoint else _DEFAULT_LOCATION
+        payer = self._options.get("requester_pays")
+        self._user_project = (
+            payer if isinstance(payer, str) else (self._options.get("project") if payer else None)
+        )
+        self._concurrency = concurrency
+        self._session: aiohttp.ClientSession | None = None
+        self._owner: tuple[int, asyncio.AbstractEventLoop] | None = None
+        self._auth: tuple[int, Any] | None = None  # (pid, gcsfs GoogleCredentials)
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    def __repr__(self) -> str:
+        return f"GCSReader(endpoint={self._location!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_session=None, _owner=None, _auth=None, _timeouts={})
+        return state
+
+    # -- per-process state -------------------------------------------------------------------
+    def _get_session(self) -> aiohttp.ClientSession:
+        owner = (os.getpid(), asyncio.get_running_loop())
+        if self._session is not None and self._owner == owner:
+            return self._session
+        if self._session is not None:
+            _orphans.append(self._session)
+        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=self._concurrency)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # bytes as stored, even for objects uploaded with gzip encoding
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("Accept-Encoding",),
+        )
+        if hasattr(self._session, "_retry_connection"):
+            self._session._retry_connection = False  # the engine owns the one retry budget
+        self._owner = owner
+        return self._session
+
+    async def close(self) -> None:
+        """Close this process's session (safe to call more than once)."""
+        session, owner = self._session, self._owner
+        self._session = self._owner = None
+        if session is None:
+            return
+        if owner is not None and owner[0] == os.getpid() and owner[1] is asyncio.get_running_loop():
+            await session.close()
+        else:
+            _orphans.append(session)
+
+    async def _headers(self) -> dict[str, str]:
+        """Authorization for one request: gcsfs's credentials of this process, refreshed off the loop."""
+        pid = os.getpid()
+        if self._auth is None or self._auth[0] != pid:
+            # Resolving may read files or ask the metadata server: in a thread, once per process.
+            fs = await asyncio.to_thread(get_fs, "gs", self._options)
+            self._auth = (pid, fs.credentials)
+        gcreds = self._auth[1]
+        creds = gcreds.credentials
+        headers: dict[str, str] = {}
+        if creds is None:
+            return headers  # anonymous
+        expiry = getattr(creds, "expiry", None)
+        soon = expiry is not None and (
+            expiry.replace(tzinfo=datetime.timezone.utc) - datetime.datetime.now(datetime.timezone.utc)
+        ) < datetime.timedelta(seconds=_REFRESH_MARGIN_S)
+        if not creds.valid or soon:
+            await asyncio.to_thread(gcreds.maybe_refresh)
+        creds.apply(headers)
+        return headers
+
+    def _object_url(self, bucket: str, key: str, *, media: bool, generation: str | None) -> yarl.URL:
+        path = f"/storage/v1/b/{quote(bucket, safe='')}/o/{quote(key, safe='')}"
+        query = ["alt=media"] if media else ["fields=generation"]
+        if generation:
+            query.append(f"generation={generation}")
+        if self._user_project:
+            query.append(f"userProject={quote(str(self._user_project), safe='')}")
+        prefix = "/download" if media else ""
+        return yarl.URL(f"{self._location}{prefix}{path}?{'&'.join(query)}", encoded=True)
+
+    # -- the request -------------------------------------------------------------------------
+    async def read(
+        self,
+        bucket: str,
+        key: str,
+        *,
+        start: int | None = None,
+        end: int | None = None,
+        expect_identity: str | None = None,
+        timeout: float = 30.0,
+    ) -> ReadResult:
+        """One GET of ``gs://bucket/key`` (bytes ``[start, end)`` when given), no retries.
+
+        ``expect_identity`` is the listed generation; ``timeout`` (seconds) bounds each request.
+        """
+        url = f"gs://{bucket}/{key}"
+        # Only a generation (digits) can be pinned; anything else (an etag) is merely compared.
+        generation = expect_identity if expect_identity and expect_identity.isdigit() else None
+        session = self._get_session()
+        headers = await self._headers()
+        if start is not None or end is not None:
+            first = start or 0
+            headers["Range"] = f"bytes={first}-{end - 1}" if end is not None else f"bytes={first}-"
+        client_timeout = self._timeouts.get(timeout)
+        if client_timeout is None:
+            client_timeout = self._timeouts[timeout] = aiohttp.ClientTimeout(total=timeout)
+        target = self._object_url(bucket, key, media=True, generation=generation)
+        body, got, content_range = b"", None, ""
+        try:
+            async with session.get(
+                target, headers=headers, timeout=client_timeout, allow_redirects=False
+            ) as resp:
+                status = resp.status
+                if status in (200, 206):
+                    body = await resp.read()
+                    length = resp.content_length
+                    if length is not None and len(body) != length:
+                        raise TransientError("short_read", f"{url}: got {len(body)} of {length} bytes")
+                    got = resp.headers.get("x-goog-generation")
+                    content_range = resp.headers.get("Content-Range", "")
+                else:
+                    await resp.content.read(8192)
+        except asyncio.TimeoutError as exc:
+            raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
+        except aiohttp.ClientPayloadError as exc:
+            raise TransientError("short_read", f"{url}: connection closed mid-body") from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise TransientError("connection", f"{url}: connection failed ({type(exc).__name__})") from exc
+        if status not in (200, 206):
+            if status == 404 and expect_identity:
+                # The listed generation is gone: changed if the object itself is still there.
+                current = await self._generation(session, bucket, key, headers, client_timeout, url)
+                if current is not None:
+                    raise _changed(url, expect_identity, current)
+            raise _http_error(url, status, resp.headers.get("Retry-After"))
+        if got is None:
+            # The store does not echo the generation (emulators): ask for it after the read.
+            got = await self._generation(session, bucket, key, headers, client_timeout, url)
+            if got is None:
+                raise NotFound(f"{url}: the object was deleted while it was read; rebuild the listing", url)
+        if expect_identity and got and got != expect_identity:
+            raise _changed(url, expect_identity, got)
+        total: int | None = len(body)
+        if status == 206:
+            _, _, size = content_range.rpartition("/")
+            total = int(size) if size.isdigit() else None
+        elif start is not None or end is not None:
+            body = body[start or 0 : end]  # the store ignored Range and sent everything
+        return ReadResult(body, got or expect_identity or "", total)
+
+    async def _generation(
+        self,
+        session: aiohttp.ClientSession,
+        bucket: str,
+        key: str,
+        headers: Mapping[str, str],
+        timeout: aiohttp.ClientTimeout,
+        url: str,
+    ) -> str | None:
+        """The live generation of the object, ``None`` if it does not exist."""
+        meta_headers = {k: v for k, v in headers.items() if k.lower() != "range"}
+        target = self._object_url(bucket, key, media=False, generation=None)
+        try:
+            async with session.get(target, headers=meta_headers, timeout=timeout) as resp:
+                raw = await resp.content.read(65536)
+                status = resp.status
+        except asyncio.TimeoutError as exc:
+            raise TransientError("timeout", f"{url}: metadata request timed out") from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise TransientError("connection", f"{url}: connection failed ({type(exc).__name__})") from exc
+        if status == 404:
+            return None
+        if status != 200:
+            raise _http_error(url, status, None)
+        try:
+            generation = json.loads(raw).get("generation")
+        except (ValueError, AttributeError):
+            raise TransientError("server", f"{url}: unreadable object metadata") from None
+        return str(generation) if generation is not None else None
+
+
+def _changed(url: str, expected: str, current: str) -> ObjectChanged:
+    return ObjectChanged(
+        f"{url} changed since it was listed (generation {expected} listed, {current} now): rebuild the "
+        "listing with refresh=True",
+        url,
+    )
+
+
+def _http_error(url: str, status: int, retry_after: str | None) -> Exception:
+    """Map one failed GCS response to the blobdata error (or a TransientError to retry)."""
+    if status == 404:
+        return NotFound(
+            f"{url}: no such object or bucket (HTTP 404); check the URL, or rebuild a stale listing "
+            "with refresh=True",
+            url,
+        )
+    if status in (401, 403):
+        return AccessDenied(
+            f"{url}: access denied (HTTP {status}); check token= in storage_options (a service-account "
+            "file, 'google_default', or 'anon' for a public bucket) and the bucket's IAM policy",
+            url,
+        )
+    if status == 412:
+        return ObjectChanged(f"{url} changed since it was listed (HTTP 412): rebuild the listing", url)
+    if status in (429, 503):
+        return TransientError("throttle", f"{url}: throttled (HTTP {status})", retry_after=retry_after)
+    if status >= 500 or status == 408:
+        return TransientError("server", f"{url}: server error (HTTP {status})")
+    return FetchError(f"{url}: the store refused the request (HTTP {status})", url)
