@@ -10,6 +10,10 @@ Environment variables are read here and only here, when a setting is resolved (n
 ``AWS_ENDPOINT_URL``
 ``STORAGE_EMULATOR_HOST``      GCS endpoint of an emulator, as google-cloud-storage reads it
 ``AZURE_STORAGE_CONNECTION_STRING``  Azure account, as the Azure SDK reads it
+``AZURE_STORAGE_ACCOUNT_NAME``  Azure account without a connection string, with
+                               ``AZURE_STORAGE_ACCOUNT_KEY``, ``_SAS_TOKEN``, ``_CLIENT_ID``,
+                               ``_CLIENT_SECRET``, ``_TENANT_ID`` (as adlfs reads them); no
+                               credential means anonymous unless ``AZURE_STORAGE_ANON=false``
 =============================  ===============================================================
 
 Sizes accept ``"100GB"``, ``"512MiB"``, ``"8M"`` or plain ints (bytes); decimal units are powers of
