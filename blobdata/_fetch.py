@@ -114,6 +114,10 @@ class FsspecReader:
         fs = get_fs(self.protocol, self._options)
         path = f"{bucket}/{key}" if bucket else key
         url = f"{self.protocol}://{path}"
+        if self.protocol == "file":
+            return await asyncio.wait_for(
+                asyncio.to_thread(_read_local, path, start, end, expect_identity, url), timeout
+            )
         try:
             if getattr(fs, "async_impl", False):
                 body = await asyncio.wait_for(fs._cat_file(path, start=start, end=end), timeout)
@@ -127,6 +131,39 @@ class FsspecReader:
 
     async def close(self) -> None:
         """Nothing to do: the filesystem client is shared through :func:`blobdata._fs.get_fs`."""
+
+
+def _local_identity(st: os.stat_result) -> str:
+    return f"{st.st_mtime_ns}-{st.st_size}"  # as blobdata._listing.identity_from_info lists it
+
+
+def _read_local(path: str, start: int | None, end: int | None, expect: str | None, url: str) -> ReadResult:
+    """Read a local file (or a range of it), checking its identity before and after the read."""
+    try:
+        with open(path, "rb") as fh:
+            before = os.fstat(fh.fileno())
+            if expect and _local_identity(before) != expect:
+                raise ObjectChanged(
+                    f"{url}: changed since it was listed (identity {_local_identity(before)}, listed "
+                    f"{expect}); rebuild the listing with refresh=True",
+                    url,
+                )
+            fh.seek(start or 0)
+            body = fh.read() if end is None else fh.read(max(0, end - (start or 0)))
+            after = os.fstat(fh.fileno())
+    except BlobdataError:
+        raise
+    except FileNotFoundError:
+        raise NotFound(
+            f"{url}: no such file; the listing may be stale, rebuild it with refresh=True", url
+        ) from None
+    except PermissionError:
+        raise AccessDenied(f"{url}: permission denied", url) from None
+    except OSError as exc:
+        raise FetchError(f"{url}: cannot read ({exc.strerror or type(exc).__name__})", url) from exc
+    if _local_identity(after) != _local_identity(before):
+        raise ObjectChanged(f"{url}: modified while it was read; rebuild the listing with refresh=True", url)
+    return ReadResult(body, _local_identity(before), before.st_size)
 
 
 def _map_generic(url: str, exc: BaseException, timeout: float) -> BaseException:

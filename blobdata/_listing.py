@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
+from ._config import FetchOptions
 from ._errors import (
     AccessDenied,
     BlobdataError,
@@ -32,9 +34,11 @@ from ._errors import (
     NotFound,
     Throttled,
 )
+from ._fetch import TransientError
 from ._fs import get_fs, options_token, resolve_storage_options
 from ._loop import run
 from ._manifest import Manifest, manifest_path
+from ._s3 import ListPage, S3Reader, with_retries
 from ._url import BlobURL, parse_url
 
 __all__ = ["IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list", "translate_error"]
@@ -178,6 +182,9 @@ class _Lister:
         """Every object below ``root/folder/``, markers included."""
         raise NotImplementedError
 
+    async def aclose(self) -> None:
+        """Release what the lister opened itself (default: nothing; fsspec clients are shared)."""
+
 
 class _S3Lister(_Lister):
     """list_objects_v2 pages through s3fs (its per-page retries), bypassing its dircache."""
@@ -205,6 +212,106 @@ class _S3Lister(_Lister):
         async for info in self._iter(self._prefix() + folder + "/", ""):
             out.append((info["Key"][cut:], int(info["size"]), identity_from_info("s3", info)))
         return out
+
+
+class _S3LeanLister(_Lister):
+    """ListObjectsV2 pages through blobdata's own signed requests, parsed with ``xml.etree``
+    (:meth:`blobdata._s3.S3Reader.list_page`): a 1,000-key page costs ~0.03 s of client CPU where
+    botocore spends ~0.14 s. Each page is retried under one budget (:func:`blobdata._s3.with_retries`,
+    FetchOptions' defaults) and a final failure is stated as :func:`translate_error` states s3fs's."""
+
+    def __init__(self, url: BlobURL, storage_options: Mapping[str, Any], concurrency: int) -> None:
+        super().__init__(url, None)
+        self.reader = S3Reader(storage_options, concurrency=concurrency)
+        self.options = FetchOptions(concurrency=concurrency)
+        self.base = url.prefix + "/" if url.prefix else ""
+
+    async def _pages(self, prefix: str, delimiter: str | None) -> AsyncIterator[ListPage]:
+        bucket, opts, root = self.url.bucket, self.options, str(self.url)
+        token: str | None = None
+        while True:
+            call = functools.partial(
+                self.reader.list_page,
+                bucket,
+                prefix,
+                delimiter=delimiter,
+                continuation=token,
+                timeout=opts.timeout,
+            )
+            try:
+                page = await with_retries(call, url=f"s3://{bucket}/{prefix}", options=opts)
+            except BlobdataError as exc:
+                # The lean path chains the store's status and code (or the transport error) as the
+                # cause, behind the retried TransientError: restated here as s3fs's errors are.
+                origin = exc.__cause__
+                if isinstance(origin, TransientError) and origin.__cause__ is not None:
+                    origin = origin.__cause__
+                err = translate_error(origin or exc, root)
+                if err is exc:
+                    raise
+                raise err from exc
+            yield page
+            if page.next_token is None:
+                return
+            if page.next_token == token:
+                raise FetchError(f"listing of {root} failed: the store sent the same continuation token "
+                                 "twice; retry later", url=root)  # fmt: skip
+            token = page.next_token
+
+    async def folders(self) -> tuple[list[str], bool]:
+        cut = len(self.base)
+        names: list[str] = []
+        anything = False
+        async for page in self._pages(self.base, "/"):
+            anything = anything or bool(page.keys or page.common_prefixes)
+            names.extend(p[cut:-1] for p in page.common_prefixes)  # "prefix/cls/" -> "cls"
+        return names, anything
+
+    async def below(self, folder: str) -> list[_Obj]:
+        cut = len(self.base)
+        out: list[_Obj] = []
+        async for page in self._pages(self.base + folder + "/", None):
+            out.extend(zip([k[cut:] for k in page.keys], page.sizes, page.etags, strict=True))
+        return out
+
+    async def aclose(self) -> None:
+        await self.reader.close()
+
+
+# storage_options the lean S3 path reads as s3fs does (see S3Reader), or that change nothing in what
+# a listing returns. Anything else (a botocore session, use_ssl, s3_additional_kwargs, addressing
+# or signature settings, versions, requester pays) keeps the listing on s3fs.
+_LEAN_S3_OPTIONS = frozenset({
+    "key", "secret", "token", "anon", "profile", "endpoint_url", "client_kwargs", "config_kwargs",
+    "version_aware", "requester_pays", "s3_additional_kwargs", "cache_regions", "use_listings_cache",
+    "listings_expiry_time", "max_dirs", "default_block_size", "default_fill_cache", "default_cache_type",
+    "skip_instance_cache",
+})  # fmt: skip
+_LEAN_CLIENT_KWARGS = frozenset({
+    "endpoint_url", "region_name", "verify", "aws_access_key_id", "aws_secret_access_key",
+    "aws_session_token",
+})  # fmt: skip
+_LEAN_CONFIG_KWARGS = frozenset({"max_pool_connections", "connect_timeout", "read_timeout", "retries"})
+
+
+def _lean_s3(storage_options: Mapping[str, Any]) -> bool:
+    """Whether the lean S3 listing path serves these (resolved) storage options exactly as s3fs would.
+
+    ``version_aware`` (ListObjectVersions), ``requester_pays`` and any option it does not know keep
+    the listing on s3fs.
+    """
+    opts = storage_options
+    if opts.get("version_aware") or opts.get("requester_pays") or opts.get("s3_additional_kwargs"):
+        return False
+    client_kwargs = opts.get("client_kwargs") or {}
+    config_kwargs = opts.get("config_kwargs") or {}
+    return (
+        opts.keys() <= _LEAN_S3_OPTIONS
+        and isinstance(client_kwargs, Mapping)
+        and client_kwargs.keys() <= _LEAN_CLIENT_KWARGS
+        and isinstance(config_kwargs, Mapping)
+        and config_kwargs.keys() <= _LEAN_CONFIG_KWARGS
+    )
 
 
 class _AsyncFsLister(_Lister):
@@ -286,9 +393,11 @@ class _LocalLister(_Lister):
         return await asyncio.to_thread(walk)
 
 
-def _lister(url: BlobURL, storage_options: Mapping[str, Any]) -> _Lister:
+def _lister(url: BlobURL, storage_options: Mapping[str, Any], concurrency: int) -> _Lister:
     if url.protocol == "file":
         return _LocalLister(url, None)
+    if url.protocol == "s3" and _lean_s3(storage_options):
+        return _S3LeanLister(url, storage_options, concurrency)
     fs = get_fs(url.protocol, storage_options)
     if url.protocol == "s3":
         return _S3Lister(url, fs)
@@ -364,7 +473,14 @@ async def _list(
     url: BlobURL, storage_options: Mapping[str, Any], concurrency: int
 ) -> tuple[list[str], list[list[_Obj]]]:
     """(sorted class names, the raw objects below each, then those below an empty-named folder if any)."""
-    lister = _lister(url, storage_options)
+    lister = _lister(url, storage_options, concurrency)
+    try:
+        return await _list_with(lister, url, concurrency)
+    finally:
+        await lister.aclose()
+
+
+async def _list_with(lister: _Lister, url: BlobURL, concurrency: int) -> tuple[list[str], list[list[_Obj]]]:
     root = str(url)
     names, anything = await lister.folders()
     if not anything:

@@ -11,6 +11,12 @@ Keys are sent exactly as stored: every byte except the unreserved characters is 
 ``/`` is kept, and the path is never normalised (``a/../b`` and ``a//b`` are distinct keys).
 
 Identity: the ETag with its quotes stripped, ``etag@version-id`` when the store reports a version.
+
+Listing: :meth:`S3Reader.list_page` is one signed ListObjectsV2 request parsed with ``xml.etree``
+(~0.03 s of CPU per 1,000-key page, where botocore's parser spends ~0.14 s). It asks for
+``encoding-type=url`` so keys with control characters survive XML, and decodes them as botocore
+does; a server that ignores the parameter is read verbatim. :func:`with_retries` is the one retry
+budget for such calls.
 """
 
 from __future__ import annotations
@@ -19,22 +25,39 @@ import asyncio
 import hashlib
 import hmac
 import os
+import random
 import re
 import ssl
+import threading
 import time
-from collections.abc import Mapping
-from typing import Any, NamedTuple
-from urllib.parse import quote
+import xml.etree.ElementTree as ET
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
+from urllib.parse import quote, unquote_plus
 
 import aiohttp
 import yarl
 
-from ._config import env
+from ._config import FetchOptions, env
 from ._errors import AccessDenied, ConfigError, FetchError, NotFound, ObjectChanged
-from ._fetch import ReadResult, TransientError
+from ._fetch import ReadResult, TransientError, _give_up
 from ._fs import resolve_storage_options
 
-__all__ = ["EMPTY_SHA256", "UNSIGNED_PAYLOAD", "S3Reader", "SigV4Signer", "quote_key", "split_identity"]
+__all__ = [
+    "EMPTY_SHA256",
+    "UNSIGNED_PAYLOAD",
+    "ListPage",
+    "S3ErrorResponse",
+    "S3Reader",
+    "SigV4Signer",
+    "list_query",
+    "parse_list_page",
+    "quote_key",
+    "split_identity",
+    "with_retries",
+]
+
+T = TypeVar("T")
 
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
@@ -67,6 +90,146 @@ def split_identity(identity: str) -> tuple[str, str | None]:
     """``"etag@version"`` or ``"etag"`` (quotes allowed) -> ``(etag, version or None)``."""
     etag, _, version = identity.partition("@")
     return etag.strip('"'), (version or None)
+
+
+class ListPage(NamedTuple):
+    """One ListObjectsV2 page: parallel lists of ``keys`` (decoded, exactly as stored), ``sizes``
+    (bytes) and ``etags`` (quotes stripped), the ``common_prefixes`` (with their trailing delimiter)
+    and ``next_token``, the continuation token of the next page (``None`` on the last page)."""
+
+    keys: list[str]
+    sizes: list[int]
+    etags: list[str]
+    common_prefixes: list[str]
+    next_token: str | None
+
+
+class S3ErrorResponse(Exception):
+    """The HTTP status and S3 error code of a refused request, chained as the ``__cause__`` of the
+    error raised for it, so a caller can restate it (``error_code``/``status_code`` are the names
+    :func:`blobdata._listing.translate_error` reads). Never holds the response body."""
+
+    def __init__(self, status_code: int, error_code: str | None) -> None:
+        super().__init__(f"HTTP {status_code}{' ' + error_code if error_code else ''}")
+        self.status_code = status_code
+        self.error_code = error_code
+
+
+def _query_quote(value: str) -> str:
+    # SigV4's URI encoding: every byte but A-Za-z0-9-_.~ as %XX (upper case), '/' included.
+    return quote(value, safe="")
+
+
+def list_query(prefix: str, *, delimiter: str | None, continuation: str | None, max_keys: int = 1000) -> str:
+    """The query string of one ListObjectsV2 request (``encoding-type=url``), already canonical for
+    SigV4: parameters sorted by name, names and values percent-encoded. It is sent exactly as signed.
+
+    An empty ``prefix`` or ``delimiter`` is left out (the store treats both alike).
+    """
+    params = [("encoding-type", "url"), ("list-type", "2"), ("max-keys", str(max_keys))]
+    if continuation is not None:
+        params.append(("continuation-token", continuation))
+    if delimiter:
+        params.append(("delimiter", delimiter))
+    if prefix:
+        params.append(("prefix", prefix))
+    return "&".join(f"{_query_quote(k)}={_query_quote(v)}" for k, v in sorted(params))
+
+
+def _malformed(url: str, what: str) -> FetchError:
+    return FetchError(
+        f"{url}: the store sent a listing page that cannot be read ({what}); check endpoint_url points "
+        "at an S3 API",
+        url,
+    )
+
+
+def parse_list_page(body: bytes, url: str) -> ListPage:
+    """Parse a ListObjectsV2 response body (``xml.etree``, any or no XML namespace).
+
+    Keys and prefixes are URL-decoded as botocore decodes them (``unquote_plus``) when the response
+    says ``<EncodingType>url</EncodingType>``, and taken verbatim when the server ignored the
+    request for it. Raises :class:`FetchError` naming ``url`` for anything that is not a listing.
+    """
+    # ElementTree never fetches external entities, and expat >= 2.4 caps entity expansion.
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as exc:
+        raise _malformed(url, f"invalid XML: {exc}") from None
+    tag = root.tag
+    ns = tag[: tag.index("}") + 1] if tag.startswith("{") else ""
+    if tag[len(ns) :] != "ListBucketResult":
+        raise _malformed(url, f"root element {tag[len(ns) :]!r}")
+    t_contents, t_common, t_key, t_size, t_etag, t_prefix = (
+        ns + n for n in ("Contents", "CommonPrefixes", "Key", "Size", "ETag", "Prefix")
+    )
+    t_encoding, t_truncated, t_next = (
+        ns + n for n in ("EncodingType", "IsTruncated", "NextContinuationToken")
+    )
+    keys: list[str] = []
+    sizes: list[int] = []
+    etags: list[str] = []
+    prefixes: list[str] = []
+    encoded = truncated = False
+    token: str | None = None
+    for el in root:
+        t = el.tag
+        if t == t_contents:
+            key = size = None
+            etag = ""
+            for field in el:
+                ft = field.tag
+                if ft == t_key:
+                    key = field.text or ""
+                elif ft == t_size:
+                    size = field.text
+                elif ft == t_etag:
+                    etag = (field.text or "").strip('"')
+            if key is None or size is None:
+                raise _malformed(url, "an entry without Key or Size")
+            try:
+                sizes.append(int(size))
+            except ValueError:
+                raise _malformed(url, f"size {size!r}") from None
+            keys.append(key)
+            etags.append(etag)
+        elif t == t_common:
+            prefixes.extend(field.text or "" for field in el if field.tag == t_prefix)
+        elif t == t_encoding:
+            encoded = (el.text or "").strip().lower() == "url"
+        elif t == t_truncated:
+            truncated = (el.text or "").strip().lower() == "true"
+        elif t == t_next:
+            token = el.text or None
+    if encoded:
+        keys = [unquote_plus(k) if "%" in k or "+" in k else k for k in keys]
+        prefixes = [unquote_plus(p) if "%" in p or "+" in p else p for p in prefixes]
+    if not truncated:
+        token = None
+    elif token is None:
+        raise _malformed(url, "IsTruncated without a NextContinuationToken")
+    return ListPage(keys, sizes, etags, prefixes, token)
+
+
+async def with_retries(call: Callable[[], Awaitable[T]], *, url: str, options: FetchOptions) -> T:
+    """Await ``call()`` until it succeeds, under one retry budget: ``options.retries`` attempts in
+    total, exponential backoff from ``options.backoff`` seconds with full jitter, capped at
+    ``options.max_backoff`` and raised to the store's Retry-After. Only :class:`TransientError` is
+    retried; the last one becomes Throttled, FetchTimeout or FetchError naming ``url``, chained to
+    it. The same policy as :class:`~blobdata._fetch.FetchEngine`, for calls outside the engine.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except TransientError as exc:
+            if attempt >= options.retries:
+                raise _give_up(url, exc, attempt, options.timeout) from exc
+            delay = random.uniform(0.0, min(options.max_backoff, options.backoff * 2 ** (attempt - 1)))
+            if exc.retry_after:
+                delay = max(delay, min(exc.retry_after, options.max_backoff))
+            await asyncio.sleep(delay)
 
 
 class SigV4Signer:
@@ -157,11 +320,29 @@ _chain: dict[tuple[int, str | None], Any] = {}
 _orphans: list[Any] = []
 
 
+_chain_lock = threading.Lock()
+
+
+def _reset_chain_lock() -> None:
+    # A fork while another thread resolves credentials would hand the child a held lock.
+    global _chain_lock
+    _chain_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_chain_lock)
+
+
 def _resolve_chain(profile: str | None) -> Any:
+    """botocore's chain for ``profile``, resolved at most once per process: requests that start
+    together wait here (in threads) for the first resolution instead of each asking IMDS/SSO."""
     import botocore.session
 
-    session = botocore.session.Session(profile=profile) if profile else botocore.session.get_session()
-    return session.get_credentials()
+    cache_key = (os.getpid(), profile)
+    with _chain_lock:
+        if cache_key not in _chain:
+            session = botocore.session.Session(profile=profile) if profile else botocore.session.get_session()
+            _chain[cache_key] = session.get_credentials()
+        return _chain[cache_key]
 
 
 class S3Reader:
@@ -265,28 +446,96 @@ class S3Reader:
         if self._static is not None:
             return self._static
         cache_key = (os.getpid(), self._profile)
-        if cache_key not in _chain:
+        if cache_key in _chain:
+            creds = _chain[cache_key]
+        else:
             # Off the loop: the chain may read files or wait on the instance metadata service.
-            _chain[cache_key] = await asyncio.to_thread(_resolve_chain, self._profile)
-        creds = _chain[cache_key]
+            creds = await asyncio.to_thread(_resolve_chain, self._profile)
         if creds is None:
             return None
         frozen = creds.get_frozen_credentials()  # refreshable credentials rotate here
         return Credentials(frozen.access_key, frozen.secret_key, frozen.token)
 
     # -- addressing --------------------------------------------------------------------------
-    def _locate(self, bucket: str, key: str) -> tuple[str, str, str, str]:
-        """-> (scheme://host, Host header, encoded path, region) for one object."""
+    def _locate(self, bucket: str, key: str | None) -> tuple[str, str, str, str]:
+        """-> (scheme://host, Host header, encoded path, region) for one object, or for the bucket
+        itself when ``key`` is None (the path of a bucket-level request such as a listing)."""
         region = self._bucket_region.get(bucket, self._region)
+        tail = "" if key is None else "/" + quote_key(key)
         if self._endpoint is not None:
-            return self._origin, self._host, f"{self._base_path}/{bucket}/{quote_key(key)}", region
+            return self._origin, self._host, f"{self._base_path}/{bucket}{tail}", region
         if "." in bucket:
             host = f"s3.{region}.amazonaws.com"
-            return f"https://{host}", host, f"/{bucket}/{quote_key(key)}", region
+            return f"https://{host}", host, f"/{bucket}{tail}", region
         host = f"{bucket}.s3.{region}.amazonaws.com"
-        return f"https://{host}", host, "/" + quote_key(key), region
+        return f"https://{host}", host, tail or "/", region
 
     # -- the request -------------------------------------------------------------------------
+    async def _send(
+        self,
+        bucket: str,
+        key: str | None,
+        query: str,
+        extra_headers: Mapping[str, str],
+        timeout: float,
+        url: str,
+        on_success: Callable[[aiohttp.ClientResponse], Awaitable[T]],
+    ) -> T:
+        """One signed GET of ``key`` (the bucket itself when None) with the canonical ``query``; no retries.
+
+        ``on_success`` reads a 200/206 response. Every other status becomes the error of
+        :func:`_http_error` (chained to an :class:`S3ErrorResponse`), after at most one retry at the
+        region the store named; transport failures become :class:`~blobdata._fetch.TransientError`.
+        ``timeout`` (seconds) bounds the whole request, connect to last byte.
+        """
+        session = self._get_session()
+        creds = await self._credentials()
+        client_timeout = self._timeouts.get(timeout)
+        if client_timeout is None:
+            client_timeout = self._timeouts[timeout] = aiohttp.ClientTimeout(total=timeout)
+        for attempt in (0, 1):  # the second pass only after learning the bucket's region
+            origin, host, path, region = self._locate(bucket, key)
+            headers: dict[str, str] = dict(self._extra_headers)
+            headers.update(extra_headers)
+            if creds is not None:
+                self._signer.sign("GET", host, path, headers, creds, region, query=query)
+            headers["Host"] = host
+            try:
+                async with session.get(
+                    yarl.URL(f"{origin}{path}?{query}" if query else origin + path, encoded=True),
+                    headers=headers,
+                    timeout=client_timeout,
+                    allow_redirects=False,
+                ) as resp:
+                    status = resp.status
+                    if status == 200 or status == 206:
+                        return await on_success(resp)
+                    err_body = await resp.content.read(8192)
+                    new_region = resp.headers.get("x-amz-bucket-region")
+                    if new_region is None and status == 400:
+                        m = _REGION_RE.search(err_body)
+                        new_region = m.group(1).decode() if m else None
+                    if status in (301, 400) and new_region and new_region != region and attempt == 0:
+                        self._bucket_region[bucket] = new_region
+                        continue
+                    raise _http_error(url, status, err_body, resp.headers.get("Retry-After")) from (
+                        S3ErrorResponse(status, _error_code(err_body) or None)
+                    )
+            # One boundary for transport failures; first the timeouts, which aiohttp also makes ClientErrors.
+            except asyncio.TimeoutError as exc:
+                raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
+            except aiohttp.ClientResponseError as exc:
+                raise TransientError("server", f"{url}: bad HTTP response ({exc.status})") from exc
+            except aiohttp.ClientPayloadError as exc:
+                raise TransientError("short_read", f"{url}: connection closed mid-body") from exc
+            except (aiohttp.ClientError, ConnectionError) as exc:
+                raise TransientError(
+                    "connection", f"{url}: connection failed ({type(exc).__name__})"
+                ) from exc
+        raise FetchError(
+            f"{url}: the store redirected to another region twice; set client_kwargs.region_name", url
+        )
+
     async def get(
         self,
         bucket: str,
@@ -321,58 +570,51 @@ class S3Reader:
         """Like :meth:`get`, also returning the object's total size (from Content-Range or the body)."""
         url = f"s3://{bucket}/{key}"
         expect_etag, expect_version = split_identity(expect_identity) if expect_identity else (None, None)
-        session = self._get_session()
-        creds = await self._credentials()
-        client_timeout = self._timeouts.get(timeout)
-        if client_timeout is None:
-            client_timeout = self._timeouts[timeout] = aiohttp.ClientTimeout(total=timeout)
-        for attempt in (0, 1):  # the second pass only after learning the bucket's region
-            origin, host, path, region = self._locate(bucket, key)
-            headers: dict[str, str] = dict(self._extra_headers)
-            if start is not None or end is not None:
-                first = start or 0
-                headers["Range"] = f"bytes={first}-{end - 1}" if end is not None else f"bytes={first}-"
-            if expect_etag:
-                headers["If-Match"] = f'"{expect_etag}"'
-            if creds is not None:
-                self._signer.sign("GET", host, path, headers, creds, region)
-            headers["Host"] = host
-            try:
-                async with session.get(
-                    yarl.URL(origin + path, encoded=True),
-                    headers=headers,
-                    timeout=client_timeout,
-                    allow_redirects=False,
-                ) as resp:
-                    status = resp.status
-                    if status == 200 or status == 206:
-                        body = await resp.read()
-                        return self._check(
-                            url, resp, body, status, start, end, expect_etag, expect_version, expect_identity
-                        )
-                    err_body = await resp.content.read(8192)
-                    new_region = resp.headers.get("x-amz-bucket-region")
-                    if new_region is None and status == 400:
-                        m = _REGION_RE.search(err_body)
-                        new_region = m.group(1).decode() if m else None
-                    if status in (301, 400) and new_region and new_region != region and attempt == 0:
-                        self._bucket_region[bucket] = new_region
-                        continue
-                    raise _http_error(url, status, err_body, resp.headers.get("Retry-After"))
-            # One boundary for transport failures; first the timeouts, which aiohttp also makes ClientErrors.
-            except asyncio.TimeoutError as exc:
-                raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
-            except aiohttp.ClientResponseError as exc:
-                raise TransientError("server", f"{url}: bad HTTP response ({exc.status})") from exc
-            except aiohttp.ClientPayloadError as exc:
-                raise TransientError("short_read", f"{url}: connection closed mid-body") from exc
-            except (aiohttp.ClientError, ConnectionError) as exc:
-                raise TransientError(
-                    "connection", f"{url}: connection failed ({type(exc).__name__})"
-                ) from exc
-        raise FetchError(
-            f"{url}: the store redirected to another region twice; set client_kwargs.region_name", url
-        )
+        headers: dict[str, str] = {}
+        if start is not None or end is not None:
+            first = start or 0
+            headers["Range"] = f"bytes={first}-{end - 1}" if end is not None else f"bytes={first}-"
+        if expect_etag:
+            headers["If-Match"] = f'"{expect_etag}"'
+
+        async def on_success(resp: aiohttp.ClientResponse) -> ReadResult:
+            body = await resp.read()
+            return self._check(
+                url, resp, body, resp.status, start, end, expect_etag, expect_version, expect_identity
+            )
+
+        return await self._send(bucket, key, "", headers, timeout, url, on_success)
+
+    async def list_page(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        delimiter: str | None,
+        continuation: str | None,
+        timeout: float,
+        max_keys: int = 1000,
+    ) -> ListPage:
+        """One ListObjectsV2 page of the keys of ``bucket`` starting with ``prefix``; no retries.
+
+        ``delimiter`` (``"/"``, or None for every key below ``prefix``) groups keys into
+        ``common_prefixes``; ``continuation`` is the previous page's ``next_token`` (None for the
+        first page); ``max_keys`` caps the keys and prefixes of the page (the store's maximum is
+        1000). ``timeout`` (seconds) bounds the request, connect to last byte. Raises NotFound (no
+        such bucket), AccessDenied, FetchError, or :class:`~blobdata._fetch.TransientError` for
+        what the caller may retry (:func:`with_retries`).
+        """
+        url = f"s3://{bucket}/{prefix}"
+        query = list_query(prefix, delimiter=delimiter, continuation=continuation, max_keys=max_keys)
+
+        async def on_success(resp: aiohttp.ClientResponse) -> ListPage:
+            body = await resp.read()
+            length = resp.content_length
+            if length is not None and len(body) != length:
+                raise TransientError("short_read", f"{url}: got {len(body)} of {length} bytes of a listing")
+            return parse_list_page(body, url)
+
+        return await self._send(bucket, None, query, {}, timeout, url, on_success)
 
     @staticmethod
     def _check(
@@ -417,10 +659,15 @@ class S3Reader:
         return ReadResult(body, identity, total)
 
 
+def _error_code(body: bytes) -> str:
+    """The S3 error code (``NoSuchBucket``, ``SlowDown``, ...) of an error response body, or ``""``."""
+    m = _CODE_RE.search(body)
+    return m.group(1).decode(errors="replace") if m else ""
+
+
 def _http_error(url: str, status: int, body: bytes, retry_after: str | None) -> Exception:
     """Map one failed S3 response to the blobdata error (or a TransientError to retry)."""
-    m = _CODE_RE.search(body)
-    code = m.group(1).decode(errors="replace") if m else ""
+    code = _error_code(body)
     what = f"HTTP {status}{' ' + code if code else ''}"
     if status == 404:
         if code == "NoSuchBucket":

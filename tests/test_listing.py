@@ -460,3 +460,104 @@ def test_precomputed_manifest_corrupt(local_tree: Path, tmp_path: Path) -> None:
     with pytest.raises(ManifestError) as err:
         load_or_list(str(local_tree), storage_options=None, refresh=False, manifest=str(path))
     assert str(path) in str(err.value)
+
+
+# -- the lean S3 path against s3fs's ------------------------------------------------------------
+
+
+def _both_listers(url: str, storage_options: dict[str, Any]) -> list[Any]:
+    """(sorted classes, each folder's objects sorted) from the s3fs lister and from the lean one,
+    or the error each raised, stated as list_folder states it."""
+    from blobdata._fs import get_fs, resolve_storage_options
+    from blobdata._listing import _list_with, _S3LeanLister, _S3Lister
+    from blobdata._loop import run
+    from blobdata._url import parse_url
+
+    parsed = parse_url(url)
+    opts = resolve_storage_options("s3", storage_options)
+    out: list[Any] = []
+    for lister in (_S3Lister(parsed, get_fs("s3", opts)), _S3LeanLister(parsed, opts, 8)):
+        try:
+            classes, results = run(_list_with(lister, parsed, 8))
+            out.append((classes, [sorted(objs) for objs in results]))
+        except Exception as exc:
+            err = translate_error(exc, url)
+            out.append((type(err), str(err)))
+        finally:
+            run(lister.aclose())
+    return out
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_lean_lister_matches_s3fs(s3_bucket: Any, s3_proxy: Any) -> None:
+    big = {f"train/big/{i:04d} ü+ x.jpg": b"b" * (i % 5) for i in range(1005)}  # two pages
+    s3_bucket.put_many({**{f"train/{k}": v for k, v in TREE.items()}, **big})
+    s3_proxy.reset_counts()
+    s3fs_result, lean_result = _both_listers(s3_bucket.url("train"), s3_proxy.storage_options)
+    assert lean_result == s3fs_result
+    classes, results = lean_result
+    assert classes == ["a", "b", "big", "c d"] and len(results) == 4
+    assert len(results[2]) == 1005 and ("big/0007 ü+ x.jpg", 2, results[2][7][2]) == results[2][7]
+    assert all(ident and '"' not in ident for objs in results for _, _, ident in objs)
+    # The lean path's canonical (sorted) query tells its requests from botocore's.
+    lean_pages = [p for m, p in s3_proxy.requests if m == "GET" and "encoding-type=url&list-type=2" in p]
+    assert len(lean_pages) == 6  # the root, one page for each small class, two for "big"
+    assert sum("continuation-token=" in p for p in lean_pages) == 1
+    m = list_folder(s3_bucket.url("train"), storage_options=s3_bucket.storage_options)
+    assert m.class_counts()[2] == 1005
+
+
+@pytest.mark.network
+def test_lean_lister_matches_s3fs_on_verbatim_keys(moto_s3: dict[str, Any]) -> None:
+    from blobdata._servers import S3Endpoint, s3_client
+
+    client = s3_client(S3Endpoint(moto_s3["endpoint_url"], moto_s3["key"], moto_s3["secret"]))
+    client.create_bucket(Bucket="odd-keys-lean")
+    keys = ["ds/b/ok.jpg", "ds/b//dbl.jpg", "ds/b/../up.jpg", "ds/b/./dot.jpg", "ds//orphan.jpg",
+            "ds/c/ctrl\x01\x1f.jpg", "ds/c/tab\t+ sp.jpg", "ds/c/%41%2B.jpg", "ds/日本/語.jpg"]  # fmt: skip
+    for key in keys:
+        client.put_object(Bucket="odd-keys-lean", Key=key, Body=key.encode())
+    s3fs_result, lean_result = _both_listers("s3://odd-keys-lean/ds", moto_s3)
+    assert lean_result == s3fs_result
+    listed = {f"ds/{rel}" for objs in lean_result[1] for rel, _, _ in objs}
+    assert listed == set(keys)
+
+
+@pytest.mark.network
+def test_lean_lister_errors_match_s3fs(s3_bucket: Any) -> None:
+    s3_bucket.put("train/a/1.jpg", b"x")
+    missing = _both_listers(f"s3://{s3_bucket.name}-missing/train", s3_bucket.storage_options)
+    assert missing[0] == missing[1] and missing[0][0] is NotFound
+    opts = {**s3_bucket.storage_options, "secret": "definitely-wrong-secret"}
+    denied = _both_listers(s3_bucket.url("train"), opts)
+    assert denied[0] == denied[1] and denied[0][0] is AccessDenied
+    assert "definitely-wrong-secret" not in denied[1][1]
+    nothing = _both_listers(s3_bucket.url("trian"), s3_bucket.storage_options)
+    assert nothing[0] == nothing[1] and nothing[0][0] is NotFound
+
+
+def test_lean_s3_path_only_for_what_it_supports() -> None:
+    from blobdata._listing import _lean_s3, _lister, _S3LeanLister, _S3Lister
+    from blobdata._url import parse_url
+
+    url = parse_url("s3://bucket/train")
+    base = {
+        "key": "k",
+        "secret": "s",
+        "endpoint_url": "http://127.0.0.1:1",
+        "client_kwargs": {"region_name": "eu-west-1"},
+        "config_kwargs": {"max_pool_connections": 9},
+    }
+    assert isinstance(_lister(url, base, 4), _S3LeanLister)
+    assert _lean_s3({**base, "version_aware": False, "requester_pays": False})
+    assert isinstance(_lister(url, {**base, "version_aware": True}, 4), _S3Lister)
+    for extra in (
+        {"requester_pays": True},
+        {"s3_additional_kwargs": {"RequestPayer": "requester"}},
+        {"use_ssl": False},
+        {"config_kwargs": {"s3": {"addressing_style": "virtual"}}},
+        {"client_kwargs": {"region_name": "eu-west-1", "config": None}},
+        {"username": "k"},
+    ):
+        assert not _lean_s3({**base, **extra}), extra
