@@ -17,7 +17,6 @@ request URL, SAS signature included.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -25,11 +24,15 @@ from typing import Any
 from ._errors import AccessDenied, ConfigError, FetchError, NotFound, ObjectChanged
 from ._fetch import ReadResult, TransientError
 from ._fs import resolve_storage_options
+from ._http import ProcessBound
 
 __all__ = ["AzureReader"]
 
 _RANGE_TOTAL_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)")
-_orphans: list[Any] = []  # clients inherited from a parent process: never closed here
+
+
+async def _close_client(client: Any) -> None:
+    await client.close()
 
 
 def _service_client(opts: Mapping[str, Any], concurrency: int) -> Any:
@@ -86,38 +89,18 @@ class AzureReader:
     def __init__(self, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 64) -> None:
         self._options = resolve_storage_options("az", storage_options)
         self._concurrency = concurrency
-        self._client: Any = None
-        self._owner: tuple[int, asyncio.AbstractEventLoop] | None = None
+        self._clients: ProcessBound[Any] = ProcessBound(self._new_client, _close_client)
 
     def __repr__(self) -> str:
         account = self._options.get("account_name") or ("connection string" if self._options else "?")
         return f"AzureReader(account={account!r})"
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state.update(_client=None, _owner=None)
-        return state
-
-    def _get_client(self) -> Any:
-        owner = (os.getpid(), asyncio.get_running_loop())
-        if self._client is not None and self._owner == owner:
-            return self._client
-        if self._client is not None:
-            _orphans.append(self._client)  # another process's or loop's: not ours to close
-        self._client = _service_client(self._options, self._concurrency)
-        self._owner = owner
-        return self._client
+    def _new_client(self) -> Any:
+        return _service_client(self._options, self._concurrency)
 
     async def close(self) -> None:
         """Close this process's client (safe to call more than once)."""
-        client, owner = self._client, self._owner
-        self._client = self._owner = None
-        if client is None:
-            return
-        if owner is not None and owner[0] == os.getpid() and owner[1] is asyncio.get_running_loop():
-            await client.close()
-        else:
-            _orphans.append(client)
+        await self._clients.aclose()
 
     async def read(
         self,
@@ -137,7 +120,7 @@ class AzureReader:
         from azure.core import MatchConditions
 
         url = f"az://{bucket}/{key}"
-        blob = self._get_client().get_blob_client(bucket, key)
+        blob = self._clients.get().get_blob_client(bucket, key)
         kwargs: dict[str, Any] = {"max_concurrency": 1}
         if start is not None or end is not None:
             kwargs["offset"] = start or 0

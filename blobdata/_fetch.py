@@ -20,7 +20,7 @@ import collections
 import os
 import random
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import aiohttp
 
@@ -39,7 +39,9 @@ from ._errors import (
 from ._fs import get_fs, resolve_storage_options
 from ._url import parse_url
 
-__all__ = ["FetchEngine", "FsspecReader", "ReadResult", "Reader", "TransientError"]
+T = TypeVar("T")
+
+__all__ = ["FetchEngine", "FsspecReader", "ReadResult", "Reader", "TransientError", "with_retries"]
 
 
 class ReadResult(NamedTuple):
@@ -298,31 +300,27 @@ class FetchEngine:
         end: int | None,
         identity: str | None,
     ) -> ReadResult:
-        opts = self.options
         counts = self._counts
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                async with st.semaphore:
-                    counts["requests"] += 1
-                    res = await st.reader.read(
-                        bucket, key, start=start, end=end, expect_identity=identity, timeout=opts.timeout
-                    )
-                counts["bytes"] += len(res.body)
-                return res
-            except TransientError as exc:
-                self._errors[exc.kind] += 1
-                if attempt >= opts.retries:
-                    raise _give_up(url, exc, attempt, opts.timeout) from exc
-                counts["retries"] += 1
-                delay = random.uniform(0.0, min(opts.max_backoff, opts.backoff * 2 ** (attempt - 1)))
-                if exc.retry_after:
-                    delay = max(delay, min(exc.retry_after, opts.max_backoff))
-                await asyncio.sleep(delay)
-            except BlobdataError as exc:
+
+        async def once() -> ReadResult:
+            async with st.semaphore:
+                counts["requests"] += 1
+                return await st.reader.read(
+                    bucket, key, start=start, end=end, expect_identity=identity, timeout=self.options.timeout
+                )
+
+        def note(exc: TransientError, will_retry: bool) -> None:
+            self._errors[exc.kind] += 1
+            counts["retries"] += will_retry
+
+        try:
+            res = await with_retries(once, url=url, options=self.options, on_error=note)
+        except BlobdataError as exc:
+            if not isinstance(exc.__cause__, TransientError):
                 self._errors[next((k for cls, k in _ERROR_KINDS if isinstance(exc, cls)), "other")] += 1
-                raise
+            raise
+        counts["bytes"] += len(res.body)
+        return res
 
     # -- public API --------------------------------------------------------------------------
     async def fetch(
@@ -435,6 +433,37 @@ class FetchEngine:
         """:meth:`aclose` from synchronous code."""
         if self._state is not None:
             _loop.run(self.aclose(), 10.0)
+
+
+async def with_retries(
+    call: Callable[[], Awaitable[T]],
+    *,
+    url: str,
+    options: FetchOptions,
+    on_error: Callable[[TransientError, bool], None] | None = None,
+) -> T:
+    """Await ``call()`` under the one retry budget of blobdata.
+
+    ``options.retries`` attempts in total, exponential backoff from ``options.backoff`` seconds with
+    full jitter, capped at ``options.max_backoff`` and raised to the store's Retry-After. Only
+    :class:`TransientError` is retried; the last one becomes Throttled, FetchTimeout or FetchError
+    naming ``url``, chained to it. ``on_error(exc, will_retry)`` sees every transient failure.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except TransientError as exc:
+            retry = attempt < options.retries
+            if on_error is not None:
+                on_error(exc, retry)
+            if not retry:
+                raise _give_up(url, exc, attempt, options.timeout) from exc
+            delay = random.uniform(0.0, min(options.max_backoff, options.backoff * 2 ** (attempt - 1)))
+            if exc.retry_after:
+                delay = max(delay, min(exc.retry_after, options.max_backoff))
+            await asyncio.sleep(delay)
 
 
 def _give_up(url: str, exc: TransientError, attempts: int, timeout: float) -> FetchError:

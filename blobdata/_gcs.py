@@ -33,12 +33,12 @@ import yarl
 from ._errors import AccessDenied, FetchError, NotFound, ObjectChanged
 from ._fetch import ReadResult, TransientError
 from ._fs import get_fs, resolve_storage_options
+from ._http import ProcessBound, lean_session
 
 __all__ = ["GCSReader"]
 
 _DEFAULT_LOCATION = "https://storage.googleapis.com"
 _REFRESH_MARGIN_S = 300.0  # refresh a token this long before it expires (gcsfs uses the same margin)
-_orphans: list[Any] = []  # sessions inherited from a parent process: never closed here
 
 
 class GCSReader:
@@ -58,8 +58,7 @@ class GCSReader:
             payer if isinstance(payer, str) else (self._options.get("project") if payer else None)
         )
         self._concurrency = concurrency
-        self._session: aiohttp.ClientSession | None = None
-        self._owner: tuple[int, asyncio.AbstractEventLoop] | None = None
+        self._sessions = ProcessBound(self._new_session, aiohttp.ClientSession.close)
         self._auth: tuple[int, Any] | None = None  # (pid, gcsfs GoogleCredentials)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
@@ -68,38 +67,16 @@ class GCSReader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_session=None, _owner=None, _auth=None, _timeouts={})
+        state.update(_auth=None, _timeouts={})
         return state
 
     # -- per-process state -------------------------------------------------------------------
-    def _get_session(self) -> aiohttp.ClientSession:
-        owner = (os.getpid(), asyncio.get_running_loop())
-        if self._session is not None and self._owner == owner:
-            return self._session
-        if self._session is not None:
-            _orphans.append(self._session)
-        connector = aiohttp.TCPConnector(limit=self._concurrency, limit_per_host=self._concurrency)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,  # bytes as stored, even for objects uploaded with gzip encoding
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("Accept-Encoding",),
-        )
-        if hasattr(self._session, "_retry_connection"):
-            self._session._retry_connection = False  # the engine owns the one retry budget
-        self._owner = owner
-        return self._session
+    def _new_session(self) -> aiohttp.ClientSession:
+        return lean_session(self._concurrency)
 
     async def close(self) -> None:
         """Close this process's session (safe to call more than once)."""
-        session, owner = self._session, self._owner
-        self._session = self._owner = None
-        if session is None:
-            return
-        if owner is not None and owner[0] == os.getpid() and owner[1] is asyncio.get_running_loop():
-            await session.close()
-        else:
-            _orphans.append(session)
+        await self._sessions.aclose()
 
     async def _headers(self) -> dict[str, str]:
         """Authorization for one request: gcsfs's credentials of this process, refreshed off the loop."""
@@ -150,7 +127,7 @@ class GCSReader:
         url = f"gs://{bucket}/{key}"
         # Only a generation (digits) can be pinned; anything else (an etag) is merely compared.
         generation = expect_identity if expect_identity and expect_identity.isdigit() else None
-        session = self._get_session()
+        session = self._sessions.get()
         headers = await self._headers()
         if start is not None or end is not None:
             first = start or 0

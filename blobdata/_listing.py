@@ -34,11 +34,11 @@ from ._errors import (
     NotFound,
     Throttled,
 )
-from ._fetch import TransientError
+from ._fetch import TransientError, with_retries
 from ._fs import get_fs, options_token, resolve_storage_options
 from ._loop import run
 from ._manifest import Manifest, manifest_path
-from ._s3 import ListPage, S3Reader, with_retries
+from ._s3 import ListPage, S3Reader
 from ._url import BlobURL, parse_url
 
 __all__ = ["IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list", "translate_error"]

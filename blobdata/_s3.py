@@ -15,8 +15,8 @@ Identity: the ETag with its quotes stripped, ``etag@version-id`` when the store 
 Listing: :meth:`S3Reader.list_page` is one signed ListObjectsV2 request parsed with ``xml.etree``
 (~0.03 s of CPU per 1,000-key page, where botocore's parser spends ~0.14 s). It asks for
 ``encoding-type=url`` so keys with control characters survive XML, and decodes them as botocore
-does; a server that ignores the parameter is read verbatim. :func:`with_retries` is the one retry
-budget for such calls.
+does; a server that ignores the parameter is read verbatim. Retries go through
+:func:`blobdata._fetch.with_retries`, the one retry budget.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import asyncio
 import hashlib
 import hmac
 import os
-import random
 import re
-import ssl
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -38,10 +36,11 @@ from urllib.parse import quote, unquote_plus
 import aiohttp
 import yarl
 
-from ._config import FetchOptions, env
+from ._config import env
 from ._errors import AccessDenied, ConfigError, FetchError, NotFound, ObjectChanged
-from ._fetch import ReadResult, TransientError, _give_up
+from ._fetch import ReadResult, TransientError
 from ._fs import resolve_storage_options
+from ._http import ProcessBound, lean_session
 
 __all__ = [
     "EMPTY_SHA256",
@@ -54,7 +53,6 @@ __all__ = [
     "parse_list_page",
     "quote_key",
     "split_identity",
-    "with_retries",
 ]
 
 T = TypeVar("T")
@@ -211,27 +209,6 @@ def parse_list_page(body: bytes, url: str) -> ListPage:
     return ListPage(keys, sizes, etags, prefixes, token)
 
 
-async def with_retries(call: Callable[[], Awaitable[T]], *, url: str, options: FetchOptions) -> T:
-    """Await ``call()`` until it succeeds, under one retry budget: ``options.retries`` attempts in
-    total, exponential backoff from ``options.backoff`` seconds with full jitter, capped at
-    ``options.max_backoff`` and raised to the store's Retry-After. Only :class:`TransientError` is
-    retried; the last one becomes Throttled, FetchTimeout or FetchError naming ``url``, chained to
-    it. The same policy as :class:`~blobdata._fetch.FetchEngine`, for calls outside the engine.
-    """
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return await call()
-        except TransientError as exc:
-            if attempt >= options.retries:
-                raise _give_up(url, exc, attempt, options.timeout) from exc
-            delay = random.uniform(0.0, min(options.max_backoff, options.backoff * 2 ** (attempt - 1)))
-            if exc.retry_after:
-                delay = max(delay, min(exc.retry_after, options.max_backoff))
-            await asyncio.sleep(delay)
-
-
 class SigV4Signer:
     """AWS Signature Version 4 for S3 requests without a body (GET/HEAD).
 
@@ -315,9 +292,6 @@ class SigV4Signer:
 
 # botocore's credential chain, resolved once per process (env, config files, SSO, IMDS, ...).
 _chain: dict[tuple[int, str | None], Any] = {}
-# Sessions inherited from a parent process: never closed or collected here, because closing them
-# would act on the parent's event loop and warn about the parent's connections.
-_orphans: list[Any] = []
 
 
 _chain_lock = threading.Lock()
@@ -390,55 +364,21 @@ class S3Reader:
         self._verify: bool | str = client_kwargs.get("verify", True)
         self._concurrency = concurrency
         self._signer = SigV4Signer()
-        self._session: aiohttp.ClientSession | None = None
-        self._owner: tuple[int, asyncio.AbstractEventLoop] | None = None
+        self._sessions = ProcessBound(self._new_session, aiohttp.ClientSession.close)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def __repr__(self) -> str:
         return f"S3Reader(endpoint={self._endpoint or 'aws'!r}, region={self._region!r}, anon={self._anon})"
 
     # -- per-process state -------------------------------------------------------------------
-    def _get_session(self) -> aiohttp.ClientSession:
-        loop = asyncio.get_running_loop()
-        owner = (os.getpid(), loop)
-        if self._session is not None and self._owner == owner:
-            return self._session
-        if self._session is not None:
-            _orphans.append(self._session)  # another process or loop: unusable and not ours to close
-        connector = aiohttp.TCPConnector(
-            limit=self._concurrency,
-            limit_per_host=self._concurrency,
-            use_dns_cache=True,
-            ttl_dns_cache=300,
-            ssl=ssl.create_default_context(cafile=self._verify)
-            if isinstance(self._verify, str)
-            else self._verify,
+    def _new_session(self) -> aiohttp.ClientSession:
+        return lean_session(
+            self._concurrency, verify=self._verify, skip_headers=("Accept-Encoding", "User-Agent")
         )
-        # Raw bytes as stored (no gzip decoding); no cookies; keep-alive pooled connections.
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            read_bufsize=2**18,
-        )
-        # aiohttp silently resends an idempotent request once when a pooled connection fails; the
-        # engine owns the one retry budget, so that stays off (aiohttp's own test client does the same).
-        if hasattr(self._session, "_retry_connection"):
-            self._session._retry_connection = False
-        self._owner = owner
-        return self._session
 
     async def close(self) -> None:
         """Close this process's session (safe to call more than once)."""
-        session, owner = self._session, self._owner
-        self._session = self._owner = None
-        if session is None:
-            return
-        if owner is not None and owner[0] == os.getpid() and owner[1] is asyncio.get_running_loop():
-            await session.close()
-        else:
-            _orphans.append(session)  # a parent's or another loop's: not ours to close
+        await self._sessions.aclose()
 
     async def _credentials(self) -> Credentials | None:
         if self._anon:
@@ -488,7 +428,7 @@ class S3Reader:
         region the store named; transport failures become :class:`~blobdata._fetch.TransientError`.
         ``timeout`` (seconds) bounds the whole request, connect to last byte.
         """
-        session = self._get_session()
+        session = self._sessions.get()
         creds = await self._credentials()
         client_timeout = self._timeouts.get(timeout)
         if client_timeout is None:

@@ -17,6 +17,7 @@ from botocore.awsrequest import AWSRequest
 
 from blobdata._config import FetchOptions
 from blobdata._errors import AccessDenied, BlobdataError, FetchError, NotFound, ObjectChanged, Throttled
+from blobdata._fetch import with_retries
 from blobdata._s3 import (
     EMPTY_SHA256,
     Credentials,
@@ -28,7 +29,6 @@ from blobdata._s3 import (
     parse_list_page,
     quote_key,
     split_identity,
-    with_retries,
 )
 
 TRICKY_KEYS = [

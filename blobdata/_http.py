@@ -1,0 +1,88 @@
+"""HTTP plumbing shared by the lean readers (S3, GCS, Azure): per-process clients, lean sessions.
+
+A client (an aiohttp session, an Azure service client) belongs to the process and event loop that
+made it. After fork, or on another loop, it must neither be used nor closed (closing would touch
+the parent's sockets): :class:`ProcessBound` makes a new one and keeps the old one referenced in
+``orphans`` so that its destructor never runs against the parent's connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import Any, Generic, TypeVar
+
+import aiohttp
+
+__all__ = ["ProcessBound", "lean_session"]
+
+C = TypeVar("C")
+
+#: Clients inherited from another process or loop: kept alive, never used, never closed here.
+orphans: list[Any] = []
+
+
+class ProcessBound(Generic[C]):
+    """One client per (process, running loop), made on first use by ``make`` and closed by ``close``."""
+
+    def __init__(self, make: Callable[[], C], close: Callable[[C], Awaitable[Any]]) -> None:
+        self._make = make
+        self._close = close
+        self._client: C | None = None
+        self._owner: tuple[int, asyncio.AbstractEventLoop] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_make": self._make, "_close": self._close, "_client": None, "_owner": None}
+
+    def get(self) -> C:
+        """This process's client for the running loop (call from a coroutine)."""
+        owner = (os.getpid(), asyncio.get_running_loop())
+        if self._client is not None and self._owner == owner:
+            return self._client
+        if self._client is not None:
+            orphans.append(self._client)
+        self._client = self._make()
+        self._owner = owner
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the client if this process and loop own it (safe to call more than once)."""
+        client, owner = self._client, self._owner
+        self._client = self._owner = None
+        if client is None:
+            return
+        if owner is not None and owner[0] == os.getpid() and owner[1] is asyncio.get_running_loop():
+            await self._close(client)
+        else:
+            orphans.append(client)
+
+
+def lean_session(
+    concurrency: int, *, verify: bool | str = True, skip_headers: tuple[str, ...] = ("Accept-Encoding",)
+) -> aiohttp.ClientSession:
+    """A pooled aiohttp session for raw object bytes: ``concurrency`` connections, no cookies.
+
+    Bytes arrive as stored (no transparent gzip decoding). aiohttp silently resends an idempotent
+    request once when a pooled connection fails; blobdata's engine owns the one retry budget, so
+    that is turned off (aiohttp's own test client does the same). ``verify`` is botocore's: False
+    (no certificate check) or a CA bundle path.
+    """
+    connector = aiohttp.TCPConnector(
+        limit=concurrency,
+        limit_per_host=concurrency,
+        use_dns_cache=True,
+        ttl_dns_cache=300,
+        ssl=ssl.create_default_context(cafile=verify) if isinstance(verify, str) else verify,
+    )
+    session = aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=skip_headers,
+        read_bufsize=2**18,
+    )
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
+    return session
