@@ -60,25 +60,20 @@ def s3_endpoint(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 def upload(opts: dict[str, Any], bucket: str, n: int, size: int, classes: int) -> int:
     """Create ``bucket`` and put ``n`` objects of ``size`` +-10% bytes under ``train/``; returns bytes."""
-    import s3fs
+    from blobdata._demo import upload as put_all
+    from blobdata._servers import S3Endpoint, s3_client
 
-    upload_opts = {k: v for k, v in opts.items() if not k.startswith("_")}
-    upload_opts["endpoint_url"] = opts.get("_upload_endpoint", opts["endpoint_url"])
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **upload_opts)
-    fs.mkdir(bucket)
+    endpoint = S3Endpoint(opts.get("_upload_endpoint", opts["endpoint_url"]), opts["key"], opts["secret"])
+    client = s3_client(endpoint)
+    client.create_bucket(Bucket=bucket)
     rng = random.Random(0)
     blob = os.urandom(size * 2)
-    total = 0
-    batch: dict[str, bytes] = {}
+    objects = []
     for i in range(n):
         nbytes = rng.randint(size * 9 // 10, size * 11 // 10)
         start = rng.randint(0, len(blob) - nbytes)
-        batch[f"{bucket}/train/class_{i % classes:02d}/{i:07d}.jpg"] = blob[start : start + nbytes]
-        total += nbytes
-        if len(batch) == 200 or i == n - 1:
-            fs.pipe(batch)
-            batch = {}
-    return total
+        objects.append((f"train/class_{i % classes:02d}/{i:07d}.jpg", blob[start : start + nbytes]))
+    return put_all(client, bucket, iter(objects))
 
 
 def rclone_env(opts: dict[str, Any]) -> dict[str, str]:

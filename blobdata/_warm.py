@@ -38,10 +38,11 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 #: shared (credentials, endpoint, a stale listing) and retrying a million objects would not help.
 ABORT_AFTER_FAILURES = 64
 _SHOW_FAILURES = 5
-#: Threads writing to the cache. A cache write spends most of its time in the kernel (creating and
-#: writing the value file, GIL released), only its short index commit is serialised, so on a busy or
-#: slow disk many writers keep up with the network where a few fall behind.
-PUT_THREADS = 32
+#: Threads writing to the cache, each a batch of up to PUT_BATCH objects at a time. A batch spends
+#: most of its time in the kernel creating and writing value files (GIL released) and takes the
+#: shared index's write lock once, for one transaction.
+PUT_WRITERS = 8
+PUT_BATCH = 32
 
 
 def human_size(n: float) -> str:
@@ -166,14 +167,43 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
             s.aborted = True
             stop.set()
 
-    async def store(url: str, identity: str, data: bytes, size: int) -> None:
+    # Group commit: fetched objects queue up while up to PUT_WRITERS batches are being written, and
+    # each batch is one put_many (one index transaction), so the shared write lock is taken once per
+    # batch instead of once per object.
+    queue: list[tuple[str, str, bytes, int]] = []
+    writing = 0
+
+    def enqueue(url: str, identity: str, data: bytes, size: int) -> None:
+        queue.append((url, identity, data, size))
+        kick()
+
+    def kick() -> None:
+        nonlocal writing
+        while queue and writing < PUT_WRITERS:
+            batch = queue[:PUT_BATCH]
+            del queue[:PUT_BATCH]
+            writing += 1
+            task = asyncio.ensure_future(write(batch))
+            stores.add(task)
+            task.add_done_callback(stores.discard)
+
+    async def write(batch: list[tuple[str, str, bytes, int]]) -> None:
+        nonlocal writing
         try:
-            ok = await loop.run_in_executor(job.put_pool, job.cache.put, url, identity, data)
-        except Exception as exc:  # put() promises not to raise; count it if it does
-            fail(url, exc)
+            items = [(url, identity, data) for url, identity, data, _ in batch]
+            oks = await loop.run_in_executor(job.put_pool, job.cache.put_many, items)
+        except Exception as exc:  # put_many() promises not to raise for I/O; count it if it does
+            for url, *_ in batch:
+                fail(url, exc)
             return
         finally:
-            budget.release(size)
+            budget.release(sum(size for *_, size in batch))
+            writing -= 1
+            kick()
+        for (url, _, data, _), ok in zip(batch, oks, strict=True):
+            stored(url, data, ok)
+
+    def stored(url: str, data: bytes, ok: bool) -> None:
         if ok:
             s.fetched += 1
             s.fetched_bytes += len(data)
@@ -219,9 +249,7 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
             except BaseException:
                 budget.release(size)
                 raise
-            task = asyncio.ensure_future(store(url, identity, data, size))
-            stores.add(task)
-            task.add_done_callback(stores.discard)
+            enqueue(url, identity, data, size)
 
     workers = [asyncio.ensure_future(worker()) for _ in range(job.workers)]
     stopper = asyncio.ensure_future(stop.wait())
@@ -235,8 +263,9 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
         for w in workers:
             w.cancel()  # cancels in-flight requests; nothing of theirs reaches the cache
         results = await asyncio.gather(*workers, return_exceptions=True)
-        # Writes already handed to a thread finish (each is atomic); wait so the summary is exact.
-        if stores:
+        # Writes already handed to a thread finish (each is atomic), and so do the fetched objects
+        # still queued for one; wait so the summary is exact.
+        while stores:
             await asyncio.gather(*list(stores), return_exceptions=True)
     if s.cache_full:
         for j in order:
@@ -362,7 +391,7 @@ def warm(
             FetchOptions(concurrency=concurrency), parse_url(m.root).protocol, storage_options
         )
         pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(PUT_THREADS, concurrency), thread_name_prefix="blobdata-put"
+            max_workers=min(PUT_WRITERS, concurrency), thread_name_prefix="blobdata-put"
         )
         job = _Job(m, todo, engine, cache, concurrency, buffer_bytes, room, summary, bar, pool)
         stop_box: list[asyncio.Event] = []
