@@ -28,7 +28,7 @@ from ._fetch import FetchEngine
 from ._fs import redact, resolve_storage_options
 from ._listing import load_or_list
 from ._lookahead import PlanChannel, PlanningBatchSampler, Stager
-from ._loop import close_at_exit, get_loop, run, submit
+from ._loop import get_loop, run, submit
 from ._manifest import Manifest
 from ._url import parse_url
 
@@ -103,10 +103,9 @@ class _Process:
         self.writer = CacheWriter(self.cache) if self.cache is not None else None
         self.stager: Stager | None = None
         self.plan_seq: int | None = None
-        # Connections belong to this process's loop: close them there when this state goes away,
-        # or at interpreter exit, whichever comes first.
+        # Connections belong to this process's loop: close them there when this state goes away
+        # (the engine closes them itself at interpreter exit).
         weakref.finalize(self, _close_engine, self.engine, self.pid)
-        close_at_exit(self.engine)
 
 
 def _close_engine(engine: FetchEngine, pid: int) -> None:

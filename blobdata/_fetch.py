@@ -261,6 +261,7 @@ class FetchEngine:
         else:
             reader = FsspecReader(self.protocol, self._storage_options)
         st = _State(pid, loop, asyncio.Semaphore(self.options.concurrency), reader)
+        _loop.close_at_exit(self)  # connections are closed on the loop at interpreter exit
         self._state = st
         return st
 
