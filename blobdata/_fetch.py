@@ -90,10 +90,11 @@ class Reader(Protocol):
 
 
 class FsspecReader:
-    """Reads through the fsspec filesystem of any protocol (gs, az, file, memory, ...).
+    """Reads ``file://`` and ``memory://`` (and any other fsspec protocol without a lean reader).
 
-    Identity is not checked here yet (best effort: the expected identity is echoed back); GCS
-    generations and Azure ETags get their own readers.
+    Local files are read directly and checked against their listed identity (mtime and size) before
+    and after the read. Elsewhere the identity is not checked (the expected one is echoed back);
+    S3, GCS and Azure have their own pinned readers.
     """
 
     def __init__(self, protocol: str, storage_options: Mapping[str, Any]) -> None:
