@@ -476,27 +476,6 @@ class S3Reader:
             f"{url}: the store redirected to another region twice; set client_kwargs.region_name", url
         )
 
-    async def get(
-        self,
-        bucket: str,
-        key: str,
-        *,
-        start: int | None = None,
-        end: int | None = None,
-        expect_identity: str | None = None,
-        timeout: float = 30.0,
-    ) -> tuple[bytes, str]:
-        """One GET of ``s3://bucket/key`` (bytes ``[start, end)`` when given), no retries.
-
-        Returns ``(body, identity)``. Raises NotFound, AccessDenied, ObjectChanged, FetchError, or
-        :class:`~blobdata._fetch.TransientError` for what the caller may retry. ``timeout`` (seconds)
-        bounds the whole request, connect to last byte.
-        """
-        result = await self.read(
-            bucket, key, start=start, end=end, expect_identity=expect_identity, timeout=timeout
-        )
-        return result.body, result.identity or ""
-
     async def read(
         self,
         bucket: str,
@@ -507,7 +486,13 @@ class S3Reader:
         expect_identity: str | None = None,
         timeout: float = 30.0,
     ) -> ReadResult:
-        """Like :meth:`get`, also returning the object's total size (from Content-Range or the body)."""
+        """One GET of ``s3://bucket/key`` (bytes ``[start, end)`` when given), no retries.
+
+        Returns the body, the identity (the expected one when given, else the response's ETag) and
+        the object's total size (from Content-Range or the body). Raises NotFound, AccessDenied,
+        ObjectChanged, FetchError, or :class:`~blobdata._fetch.TransientError` for what the caller
+        may retry. ``timeout`` (seconds) bounds the whole request, connect to last byte.
+        """
         url = f"s3://{bucket}/{key}"
         expect_etag, expect_version = split_identity(expect_identity) if expect_identity else (None, None)
         headers: dict[str, str] = {}

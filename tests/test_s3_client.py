@@ -173,7 +173,7 @@ def _round_trip(client: Any, bucket: str, storage_options: dict[str, Any]) -> se
     reader = S3Reader(storage_options, concurrency=4)
 
     async def read_all() -> list[tuple[bytes, str]]:
-        return [await reader.get(bucket, k, timeout=10) for k in stored]
+        return [(r.body, r.identity) for k in stored for r in [await reader.read(bucket, k, timeout=10)]]
 
     got = _run(reader, read_all())
     for (key, expected), (body, identity) in zip(stored.items(), got, strict=True):
@@ -215,17 +215,16 @@ def test_range_and_identity(s3_bucket: Any) -> None:
     reader = S3Reader(s3_bucket.storage_options)
 
     async def go() -> None:
-        body, etag = await reader.get(s3_bucket.name, "obj.bin", timeout=10)
+        body, etag, _ = await reader.read(s3_bucket.name, "obj.bin", timeout=10)
         assert body == data and etag and '"' not in etag
         part = await reader.read(
             s3_bucket.name, "obj.bin", start=100, end=1124, expect_identity=etag, timeout=10
         )
         assert part.body == data[100:1124] and part.total == len(data) and part.identity == etag
-        assert (await reader.get(s3_bucket.name, "obj.bin", expect_identity=f'"{etag}"', timeout=10))[
-            0
-        ] == data
+        whole = await reader.read(s3_bucket.name, "obj.bin", expect_identity=f'"{etag}"', timeout=10)
+        assert whole.body == data
         with pytest.raises(ObjectChanged) as info:
-            await reader.get(s3_bucket.name, "obj.bin", expect_identity="0123456789abcdef", timeout=10)
+            await reader.read(s3_bucket.name, "obj.bin", expect_identity="0123456789abcdef", timeout=10)
         assert f"s3://{s3_bucket.name}/obj.bin" in str(info.value)
 
     _run(reader, go())
@@ -237,11 +236,11 @@ def test_not_found(s3_bucket: Any) -> None:
 
     async def go() -> None:
         with pytest.raises(FileNotFoundError) as info:
-            await reader.get(s3_bucket.name, "missing/key.jpg", timeout=10)
+            await reader.read(s3_bucket.name, "missing/key.jpg", timeout=10)
         assert isinstance(info.value, NotFound)
         assert f"s3://{s3_bucket.name}/missing/key.jpg" in str(info.value)
         with pytest.raises(NotFound, match="bucket"):
-            await reader.get(s3_bucket.name + "-nope", "k", timeout=10)
+            await reader.read(s3_bucket.name + "-nope", "k", timeout=10)
 
     _run(reader, go())
 
@@ -254,7 +253,7 @@ def test_bad_secret_is_access_denied_without_secret(s3_bucket: Any) -> None:
 
     async def go() -> BaseException:
         with pytest.raises(PermissionError) as info:
-            await reader.get(s3_bucket.name, "k.bin", timeout=10)
+            await reader.read(s3_bucket.name, "k.bin", timeout=10)
         return info.value
 
     err = _run(reader, go())
@@ -275,7 +274,7 @@ def test_anonymous_request_to_private_bucket_is_refused(s3_bucket: Any) -> None:
 
     async def go() -> None:
         with pytest.raises(AccessDenied):
-            await reader.get(s3_bucket.name, "k.bin", timeout=10)
+            await reader.read(s3_bucket.name, "k.bin", timeout=10)
 
     _run(reader, go())
 
