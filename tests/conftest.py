@@ -70,6 +70,14 @@ def s3_bucket(s3_server: S3Endpoint) -> Iterator[buckets.TestBucket]:
     bucket.drop()
 
 
+@pytest.fixture(scope="session")
+def verbatim_s3() -> Iterator[LocalS3Server]:
+    """A moto S3 server, started once: it keeps keys byte for byte as S3 does ('..', '//', a leading
+    '/'), where SeaweedFS's filer folds '//' and refuses '..'."""
+    with LocalS3Server(backend="moto") as server:
+        yield server
+
+
 class S3Proxy(LatencyProxy):
     """A :class:`LatencyProxy` in front of an S3 server; ``storage_options`` go through the proxy."""
 

@@ -241,15 +241,6 @@ def test_unfetchable_and_undecodable_samples(s3_bucket: Any, caplog: pytest.LogC
     assert skipping[1][1] == 0
 
 
-@pytest.fixture(scope="module")
-def verbatim_s3() -> Iterator[Any]:
-    """moto keeps keys byte for byte as S3 does; SeaweedFS's filer folds '//' and refuses '..'."""
-    from blobdata._servers import LocalS3Server
-
-    with LocalS3Server(backend="moto") as server:
-        yield server
-
-
 def test_keys_as_they_come(verbatim_s3: Any, tmp_path: Any) -> None:
     from tests.support import buckets
 

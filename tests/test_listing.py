@@ -230,26 +230,12 @@ def test_missing_local_folder(tmp_path: Path) -> None:
 # -- keys that must never be normalised -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto_s3() -> Iterator[dict[str, Any]]:
-    """moto's S3 server keeps keys byte-exact ('..' and '//' segments), unlike filer-backed stores."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield {"key": "test", "secret": "test", "endpoint_url": f"http://{host}:{port}"}
-    finally:
-        server.stop()
-
-
 @pytest.mark.network
-def test_dotdot_and_double_slash_keys_kept(moto_s3: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
-    import s3fs
+def test_dotdot_and_double_slash_keys_kept(verbatim_s3: Any, caplog: pytest.LogCaptureFixture) -> None:
+    from blobdata._servers import s3_client
 
-    fs = s3fs.S3FileSystem(**moto_s3, skip_instance_cache=True)
-    fs.mkdir("odd-keys")
+    client = s3_client(verbatim_s3)
+    client.create_bucket(Bucket="odd-keys")
     keys = [
         "ds/b/ok.jpg",
         "ds/b//dbl.jpg",
@@ -259,9 +245,9 @@ def test_dotdot_and_double_slash_keys_kept(moto_s3: dict[str, Any], caplog: pyte
         "ds//x/o2.jpg",
     ]
     for key in keys:
-        fs.call_s3("put_object", Bucket="odd-keys", Key=key, Body=b"x")
+        client.put_object(Bucket="odd-keys", Key=key, Body=b"x")
     with caplog.at_level(logging.WARNING, logger="blobdata"):
-        m = list_folder("s3://odd-keys/ds", storage_options=moto_s3)
+        m = list_folder("s3://odd-keys/ds", storage_options=verbatim_s3.storage_options)
     assert m.classes == ["b"]
     urls = [m.url(i) for i in range(len(m))]
     assert sorted(urls) == sorted(f"s3://odd-keys/{k}" for k in keys[:4])
@@ -509,16 +495,16 @@ def test_lean_lister_matches_s3fs(s3_bucket: Any, s3_proxy: Any) -> None:
 
 
 @pytest.mark.network
-def test_lean_lister_matches_s3fs_on_verbatim_keys(moto_s3: dict[str, Any]) -> None:
-    from blobdata._servers import S3Endpoint, s3_client
+def test_lean_lister_matches_s3fs_on_verbatim_keys(verbatim_s3: Any) -> None:
+    from blobdata._servers import s3_client
 
-    client = s3_client(S3Endpoint(moto_s3["endpoint_url"], moto_s3["key"], moto_s3["secret"]))
+    client = s3_client(verbatim_s3)
     client.create_bucket(Bucket="odd-keys-lean")
     keys = ["ds/b/ok.jpg", "ds/b//dbl.jpg", "ds/b/../up.jpg", "ds/b/./dot.jpg", "ds//orphan.jpg",
             "ds/c/ctrl\x01\x1f.jpg", "ds/c/tab\t+ sp.jpg", "ds/c/%41%2B.jpg", "ds/日本/語.jpg"]  # fmt: skip
     for key in keys:
         client.put_object(Bucket="odd-keys-lean", Key=key, Body=key.encode())
-    s3fs_result, lean_result = _both_listers("s3://odd-keys-lean/ds", moto_s3)
+    s3fs_result, lean_result = _both_listers("s3://odd-keys-lean/ds", verbatim_s3.storage_options)
     assert lean_result == s3fs_result
     listed = {f"ds/{rel}" for objs in lean_result[1] for rel, _, _ in objs}
     assert listed == set(keys)

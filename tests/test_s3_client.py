@@ -189,23 +189,15 @@ def test_tricky_keys_round_trip(s3_bucket: Any) -> None:
     assert {"with space/and  two.jpg", "plus+sign+.png", "ünï/日本語/ß.txt", "q?x=1&y#frag"} <= stored
 
 
-@pytest.fixture(scope="module")
-def moto_server() -> Any:
-    from blobdata._servers import LocalS3Server
-
-    with LocalS3Server(backend="moto") as server:
-        yield server
-
-
 @pytest.mark.network
 @pytest.mark.slow
-def test_tricky_keys_round_trip_verbatim_store(moto_server: Any) -> None:
+def test_tricky_keys_round_trip_verbatim_store(verbatim_s3: Any) -> None:
     """moto keeps '..', '//' and a leading '/' verbatim (SeaweedFS normalises them): all must read back."""
     from blobdata._servers import s3_client
 
-    client = s3_client(moto_server)
+    client = s3_client(verbatim_s3)
     client.create_bucket(Bucket="tricky-keys")
-    assert _round_trip(client, "tricky-keys", moto_server.storage_options) == set(TRICKY_KEYS)
+    assert _round_trip(client, "tricky-keys", verbatim_s3.storage_options) == set(TRICKY_KEYS)
 
 
 @pytest.mark.network
@@ -481,13 +473,13 @@ def test_list_page_matches_botocore(s3_bucket: Any) -> None:
 
 @pytest.mark.network
 @pytest.mark.slow
-def test_list_page_matches_botocore_verbatim_store(moto_server: Any) -> None:
+def test_list_page_matches_botocore_verbatim_store(verbatim_s3: Any) -> None:
     """moto keeps '..', '//' and a leading '/' verbatim: listed back exactly as botocore lists them."""
     from blobdata._servers import s3_client
 
-    client = s3_client(moto_server)
+    client = s3_client(verbatim_s3)
     client.create_bucket(Bucket="list-keys")
-    assert _list_parity(client, "list-keys", moto_server.storage_options) == set(LIST_KEYS)
+    assert _list_parity(client, "list-keys", verbatim_s3.storage_options) == set(LIST_KEYS)
 
 
 @pytest.mark.network
