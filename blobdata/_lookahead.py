@@ -192,8 +192,6 @@ class Stager:
         self._bytes = 0
         self.peak_items = 0
         self.peak_bytes = 0
-        self.scheduled: list[int] = []  # order of scheduling, kept short; for tests and diagnostics
-        self.record = False
 
     @property
     def staged_bytes(self) -> int:
@@ -215,8 +213,6 @@ class Stager:
             self._tasks[i] = asyncio.ensure_future(self._fetch(i))
             self._bytes += size
             started += 1
-            if self.record:
-                self.scheduled.append(i)
         self.peak_items = max(self.peak_items, len(self._tasks))
         self.peak_bytes = max(self.peak_bytes, self._bytes)
         return started
@@ -228,13 +224,9 @@ class Stager:
             self._bytes -= self._size_of(index)
         return task
 
-    def keep_only(self, wanted: set[int]) -> None:
-        """Drop staged items that are not in ``wanted`` (a new epoch made them useless)."""
-        for i in [i for i in self._tasks if i not in wanted]:
-            task = self.pop(i)
-            if task is not None:
-                task.cancel()
-                task.add_done_callback(_consume)
-
     def clear(self) -> None:
-        self.keep_only(set())
+        """Drop everything staged or in flight (a new epoch made it useless)."""
+        tasks, self._tasks, self._bytes = self._tasks, {}, 0
+        for task in tasks.values():
+            task.cancel()
+            task.add_done_callback(_consume)

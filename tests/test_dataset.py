@@ -342,3 +342,29 @@ def test_repr_hides_secrets(s3_bucket: Any) -> None:
     secret = s3_bucket.storage_options["secret"]
     assert secret not in repr(ds)
     assert s3_bucket.url("p") in repr(ds)
+
+
+def test_persistent_workers_follow_each_new_epoch_without_wasted_requests(
+    s3_bucket: Any, s3_proxy: Any
+) -> None:
+    objects = {f"pe/c{i % 3}/{i:03d}.png": _png(i) for i in range(48)}
+    s3_bucket.put_many(objects)
+    ds = FolderDataset(s3_bucket.url("pe"), loader=_sum_loader, storage_options=s3_proxy.storage_options)
+    loader = ds.dataloader(
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        persistent_workers=True,
+        generator=torch.Generator().manual_seed(5),
+    )
+    want = sorted(int(np.frombuffer(v, np.uint8).sum()) for v in objects.values())
+    s3_proxy.reset_counts()
+    orders = []
+    for _ in range(2):
+        sums = [int(s) for batch, _ in loader for s in batch]
+        assert sorted(sums) == want
+        orders.append(sums)
+    assert orders[0] != orders[1]  # a new permutation, which the workers' look-ahead had to pick up
+    gets = [path for method, path in s3_proxy.requests if method == "GET" and "list-type" not in path]
+    # every object exactly once per epoch: nothing staged for a stale order was fetched in vain
+    assert len(gets) == 2 * len(objects)
