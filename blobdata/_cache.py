@@ -31,8 +31,10 @@ Size bound
   (``"lru"``) is decided and the row inserted in one ``BEGIN IMMEDIATE`` transaction, so any
   number of concurrent writers keeps ``volume_bytes <= size_limit + SLACK_BYTES`` (64 KiB: the
   index pages one insert can add after the check). On disk, the SQLite ``-wal`` and ``-shm``
-  files come on top, together <= ``WAL_SLACK_BYTES`` (4 MiB: a put that finds the WAL above
-  2 MiB checkpoints and truncates it), plus crash orphans until swept and block rounding.
+  files come on top, and so does the tail of index pages freed since the last checkpoint (WAL mode
+  truncates the index file only then), together <= ``WAL_SLACK_BYTES`` (4 MiB: a put that finds
+  the WAL above 2 MiB checkpoints and truncates it), plus crash orphans until swept and block
+  rounding.
 
 Policies
   ``"admit"`` (default): once full, keep what is cached and admit nothing new. Under a fresh
@@ -562,28 +564,43 @@ class BlobCache:
                 if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (p.key,)).fetchone() is not None:
                     outcome[p.pos] = None
                     continue
-                # Entries for other identities of this URL are stale: the object changed.
-                stale = sql(
-                    "SELECT rowid, filename FROM Cache WHERE key >= ? AND key < ? AND raw = 1",
-                    _url_range(p.url),
-                ).fetchall()
-                for rowid, filename in stale:
-                    sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
-                    removed.append(filename)
-                page_bytes, size_sum = self._volume(sql)
-                excess = page_bytes + size_sum + p.need - self._size_limit
-                if excess > 0:
-                    if self._policy == "admit" or page_bytes + p.need > self._size_limit:
-                        outcome[p.pos] = False
-                        continue
-                    evicted = self._evict(sql, excess)
-                    if evicted is None:
-                        outcome[p.pos] = False
-                        continue
-                    removed += evicted
-                dc.set(p.key, p.value)
-                outcome[p.pos] = True
+                # Each value in its own savepoint: one that does not fit leaves the index exactly as
+                # it was (no stale entry or evicted row deleted for it), as a lone put would.
+                sql("SAVEPOINT blobdata_put")
+                mine = self._make_room(sql, p)
+                if mine is None:
+                    sql("ROLLBACK TO blobdata_put")
+                    outcome[p.pos] = False
+                else:
+                    dc.set(p.key, p.value)
+                    removed += mine
+                    outcome[p.pos] = True
+                sql("RELEASE blobdata_put")
         return outcome, [name for name in removed if name]
+
+    def _make_room(self, sql: Any, p: _Pending) -> list[str | None] | None:
+        """Delete the stale entries of ``p.url`` and, under LRU, evict until ``p`` fits.
+
+        Returns the value files of the deleted rows, or None if ``p`` does not fit (the caller then
+        rolls the deletions back).
+        """
+        # Entries for other identities of this URL are stale: the object changed.
+        stale = sql(
+            "SELECT rowid, filename FROM Cache WHERE key >= ? AND key < ? AND raw = 1",
+            _url_range(p.url),
+        ).fetchall()
+        removed: list[str | None] = []
+        for rowid, filename in stale:
+            sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+            removed.append(filename)
+        page_bytes, size_sum = self._volume(sql)
+        excess = page_bytes + size_sum + p.need - self._size_limit
+        if excess <= 0:
+            return removed
+        if self._policy == "admit" or page_bytes + p.need > self._size_limit:
+            return None
+        evicted = self._evict(sql, excess)
+        return None if evicted is None else removed + evicted
 
     def _evict(self, sql: Any, excess: int) -> list[str | None] | None:
         """Delete least-recently-used rows until ``excess`` bytes are freed (inside a transaction).
