@@ -1,9 +1,11 @@
 """The local SSD cache: size-bounded, shared by every DataLoader worker, rank and job on a node.
 
-One directory holds a diskcache SQLite index (``cache.db``, WAL mode, process-safe) and one value
-file per object under 256 subfolders (``ab/<random>-<size>-<checksum>.val``). Small values
-(< 32 KiB) live inline in the index. The key is the object URL plus its identity (ETag,
-generation, version), so a changed object is a miss and its stale entry is replaced.
+One directory holds a diskcache SQLite index (``cache.db``, WAL mode, process-safe) and the values:
+appended to pack files, one per writing process (``pk/<random>.pack``, see :mod:`._pack`: creating
+a file per object cost more than everything else a put does), or, on a filesystem that cannot
+punch holes, one value file per object under 256 subfolders (``ab/<random>-<size>-<checksum>.val``).
+Small values (< 32 KiB) live inline in the index. The key is the object URL plus its identity
+(ETag, generation, version), so a changed object is a miss and its stale entry is replaced.
 
 Safety
   * Bytes only: :class:`_BytesDisk` stores and returns bytes and refuses every row whose mode is
@@ -12,11 +14,12 @@ Safety
   * Every value carries a CRC32C (or zlib CRC32) checksum, kept in the index row (the file name),
     checked on every read; a mismatch, a short file or a missing file is a miss, the entry is
     deleted and counted as ``corrupt``, so the caller refetches.
-  * Atomic writes: a value is written to ``<name>.tmp``, renamed, and only then is its row
-    inserted, so no reader ever sees a partial entry, even after SIGKILL. Value files are not
-    fsynced: after a power loss a torn file fails its checksum and is refetched. Orphans (temp
-    files, value files without a row) older than ``orphan_grace`` are swept at most once per
-    grace period per directory, when a cache opens, examining at most 20,000 files.
+  * Atomic writes: a value is appended to the writer's own pack (or written to ``<name>.tmp`` and
+    renamed), and only then is its row inserted, so no reader ever sees a partial entry, even
+    after SIGKILL. Values are not fsynced: after a power loss a torn value fails its checksum and
+    is refetched. Orphans (temp files, value files without a row, pack ranges no row names in
+    packs nobody owns, packs without rows) older than ``orphan_grace`` are swept at most once per
+    grace period per directory, when a cache opens, examining at most 20,000 value files.
   * Directory mode 0700, every file 0600 (the index is created 0600 before SQLite opens it, and
     SQLite gives its -wal and -shm files the index's mode); the process umask is never changed.
   * Fork and spawn: the SQLite connection is opened lazily per process (``os.getpid()``). The
@@ -27,14 +30,15 @@ Safety
     would drop this process's SQLite locks and corrupt concurrent reads.
 
 Size bound
-  ``volume_bytes`` = value bytes + SQLite index pages. Admission (``"admit"``) or eviction
+  ``volume_bytes`` = value bytes (in packs: rounded up to 4 KiB blocks, what they take on disk) +
+  SQLite index pages. Admission (``"admit"``) or eviction
   (``"lru"``) is decided and the row inserted in one ``BEGIN IMMEDIATE`` transaction, so any
   number of concurrent writers keeps ``volume_bytes <= size_limit + SLACK_BYTES`` (64 KiB: the
   index pages one insert can add after the check). On disk, the SQLite ``-wal`` and ``-shm``
   files come on top, and so does the tail of index pages freed since the last checkpoint (WAL mode
   truncates the index file only then), together <= ``WAL_SLACK_BYTES`` (4 MiB: a put that finds
-  the WAL above 2 MiB checkpoints and truncates it), plus crash orphans until swept and block
-  rounding.
+  the WAL above 2 MiB checkpoints and truncates it), plus crash orphans until swept, block
+  rounding of value files, and filesystem metadata (ext4: a 4 KiB extent block per pack with holes).
 
 Policies
   ``"admit"`` (default): once full, keep what is cached and admit nothing new. Under a fresh
@@ -73,6 +77,7 @@ import diskcache
 
 from ._config import parse_duration, parse_size
 from ._errors import CacheError, ConfigError
+from ._pack import PACK_DIR, PackStore, aligned, parse_slice, punch_supported
 
 google_crc32c: Any
 try:  # a dependency of google-cloud-storage (hence gcsfs); hardware CRC32C is ~8x faster than zlib
@@ -189,6 +194,10 @@ class _BytesDisk(diskcache.Disk):  # type: ignore[misc]
     one this cache writes (no path leaves the directory), raising :class:`_Refused`.
     """
 
+    def __init__(self, directory: str, **kwargs: Any) -> None:
+        super().__init__(directory, **kwargs)
+        self.packs = PackStore(directory)
+
     def put(self, key: object) -> tuple[str, bool]:
         if type(key) is not str:
             raise TypeError(f"blobdata cache keys are str, got {type(key).__name__}")
@@ -208,6 +217,13 @@ class _BytesDisk(diskcache.Disk):  # type: ignore[misc]
 
     def fetch(self, mode: int, filename: object, value: object, read: bool) -> bytes:
         if mode == diskcache.core.MODE_BINARY and type(filename) is str:
+            where = parse_slice(filename)
+            if where is not None:
+                pack, offset, length, kind, crc = where
+                data = self.packs.read(pack, offset, length)
+                if len(data) != length or not _verify(data, kind, crc):
+                    raise _Corrupt(filename)
+                return data
             match = _NAME_RE.fullmatch(filename)
             if match is None:
                 raise _Refused(f"unexpected value file name {filename!r}")
@@ -226,7 +242,10 @@ class _BytesDisk(diskcache.Disk):  # type: ignore[misc]
 
     def remove(self, file_path: object) -> None:
         # Only names this cache writes: a tampered row must not delete files elsewhere.
-        if type(file_path) is str and _NAME_RE.fullmatch(file_path):
+        where = parse_slice(file_path) if type(file_path) is str else None
+        if where is not None:
+            self.packs.release(where[0], where[1], where[2])
+        elif type(file_path) is str and _NAME_RE.fullmatch(file_path):
             with contextlib.suppress(OSError):  # already removed by another process
                 os.unlink(os.path.join(self._directory, file_path))
 
@@ -310,6 +329,7 @@ class BlobCache:
         self._paused_until = 0.0
         self._broken_until = 0.0
         self._warned = False
+        self._use_packs = False  # decided when the index opens (hole punching supported there)
 
     # -- pickling (spawn workers): just the configuration, reopened on first use -----------------
 
@@ -388,6 +408,7 @@ class BlobCache:
             with dc.transact():
                 for statement in _SCHEMA:
                     dc._sql(statement)
+            self._use_packs = punch_supported(directory)
         except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
             raise CacheError(
                 f"cache directory {directory} cannot be used ({exc}); choose a writable local "
@@ -498,7 +519,8 @@ class BlobCache:
                     results[i] = True
                     self._bump("stored")
                     continue
-                need = len(data) + _HEADER.size
+                packed = self._use_packs and len(data) >= _MIN_FILE_SIZE
+                need = aligned(len(data)) if packed else len(data) + _HEADER.size
                 # A cheap check before writing anything; the authoritative one is in _commit.
                 full = page_bytes + size_sum + planned + need > self._size_limit
                 if page_bytes + need > self._size_limit or (
@@ -513,7 +535,7 @@ class BlobCache:
                     kind, crc = _checksum(data)
                     value: _Staged | _Inline = _Inline(_HEADER.pack(kind.encode(), crc) + data)
                 else:
-                    value = self._stage(data)
+                    value = self._stage(dc, data)
                 pending.append(_Pending(i, key, url, value, need))
                 planned += need
             outcome, removed = self._commit(dc, pending) if pending else ({}, [])
@@ -623,10 +645,12 @@ class BlobCache:
                     break
         return removed
 
-    def _stage(self, data: bytes) -> _Staged:
-        """Write ``data`` to a temp file, then rename it to its final name (returned)."""
-        name = secrets.token_hex(16)
+    def _stage(self, dc: Any, data: bytes) -> _Staged:
+        """Append ``data`` to this process's pack, or (no hole punching) write it to a value file."""
         kind, crc = _checksum(data)
+        if self._use_packs:
+            return _Staged(dc.disk.packs.append(data, kind, crc), aligned(len(data)))
+        name = secrets.token_hex(16)
         filename = f"{name[:2]}/{name}-{len(data):x}-{kind}{crc:08x}.val"
         path = os.path.join(self._directory, filename)
         tmp = path + ".tmp"
@@ -763,6 +787,7 @@ class BlobCache:
         """Close this process's connection; a later call reopens it."""
         with self._lock:
             if self._dc is not None and self._pid == os.getpid():
+                self._dc.disk.packs.close()
                 self._dc.close()
                 self._dc = None
 
@@ -780,6 +805,14 @@ class BlobCache:
             if not force and row is not None and now - float(row[0]) < self._grace:
                 return
             sql("INSERT OR REPLACE INTO Blobdata (key, value) VALUES ('last_sweep', ?)", (now,))
+
+        def live(pack: str) -> list[tuple[int, int]]:
+            rows = sql(
+                "SELECT filename FROM Cache WHERE filename >= ? AND filename < ?", (pack + "@", pack + "A")
+            )
+            return [(w[1], w[2]) for (name,) in rows if (w := parse_slice(name)) is not None and w[0] == pack]
+
+        dc.disk.packs.sweep(live, grace=self._grace, now=now)
         try:
             subdirs = sorted(
                 e.name
@@ -865,7 +898,7 @@ def _make_private_dir(path: str) -> None:
     # Tighten only a directory that is empty or already a cache, never an arbitrary user folder.
     with os.scandir(path) as it:
         names = {e.name for e in it}
-    if not names or _DB_NAME in names or all(re.fullmatch(r"[0-9a-f]{2}(/.*)?", n) for n in names):
+    if not names or _DB_NAME in names or all(re.fullmatch(rf"[0-9a-f]{{2}}|{PACK_DIR}", n) for n in names):
         _chmod_private(path, 0o700)
 
 
