@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import pickle
+import time
+import urllib.parse
+import warnings
 from typing import Any
 
 import botocore.auth
@@ -14,10 +18,13 @@ import botocore.session
 import botocore.utils
 import pytest
 from botocore.awsrequest import AWSRequest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blobdata._config import FetchOptions
 from blobdata._errors import AccessDenied, BlobdataError, FetchError, NotFound, ObjectChanged, Throttled
 from blobdata._fetch import with_retries
+from blobdata._http import ProcessBound
 from blobdata._s3 import (
     EMPTY_SHA256,
     Credentials,
@@ -114,6 +121,42 @@ def test_signature_matches_botocore(
 @pytest.mark.parametrize("key", TRICKY_KEYS)
 def test_quote_key_matches_botocore_serializer(key: str) -> None:
     assert quote_key(key) == botocore.utils.percent_encode(key, safe="/~")
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.text(alphabet=st.sampled_from("aZ09/._~-+ %?#é\x00\n*"), max_size=12) | st.text(max_size=12))
+def test_quote_key_fast_path_equals_quote(key: str) -> None:
+    # Plain keys skip urllib's quote: the result must be exactly what quote would have made.
+    assert quote_key(key) == urllib.parse.quote(key, safe="/~")
+
+
+def test_signer_cache_follows_rotated_secret_and_new_day(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One signer across a secret rotation and a UTC day change signs as botocore does each time:
+    # nothing derived from the old secret or the old day is reused.
+    signer = SigV4Signer()
+    host, path = "127.0.0.1:9000", "/b/k.bin"
+    for secret, stamp, when in (
+        ("secret-one", "20260228T235959Z", datetime.datetime(2026, 2, 28, 23, 59, 59)),
+        ("secret-two", "20260228T235959Z", datetime.datetime(2026, 2, 28, 23, 59, 59)),
+        ("secret-two", "20260301T000000Z", datetime.datetime(2026, 3, 1, 0, 0, 0)),
+    ):
+        monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda *a, w=when, **k: w)
+        request = AWSRequest(method="GET", url=f"http://{host}{path}", headers={})
+        botocore.auth.S3SigV4Auth(
+            botocore.credentials.Credentials("AKID", secret, None), "s3", "us-east-1"
+        ).add_auth(request)
+        ours = signer.sign(
+            "GET", host, path, {}, Credentials("AKID", secret, None), "us-east-1", amz_date=stamp
+        )
+        assert ours["Authorization"] == request.headers["Authorization"]
+
+
+def test_signer_default_date_is_now() -> None:
+    signer = SigV4Signer()
+    before = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    stamp = signer.sign("GET", "h", "/b/k", {}, Credentials("AKID", "s", None), "us-east-1")["x-amz-date"]
+    after = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    assert before <= stamp <= after
 
 
 def test_quote_key_rules() -> None:
@@ -528,3 +571,42 @@ def test_list_retries_share_one_budget(s3_bucket: Any, s3_proxy: Any) -> None:
         assert len(s3_proxy.requests) == 2
 
     _run(reader, go())
+
+
+# -- per-process sessions -----------------------------------------------------------------------
+def test_process_bound_renews_client_in_fork_child() -> None:
+    # The same loop object survives fork: only the process id tells the child the parent's
+    # client (and its sockets) is not its own.
+    async def close(_: object) -> None:
+        return None
+
+    bound: ProcessBound[object] = ProcessBound(object, close)
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def get() -> object:
+            return bound.get()
+
+        parent = loop.run_until_complete(get())
+        assert loop.run_until_complete(get()) is parent
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork in a threaded process (3.12+)
+            pid = os.fork()
+        if pid == 0:  # the child: exit code 0 when it made its own client
+            code = 1
+            try:
+                child = loop.run_until_complete(get())
+                code = 0 if child is not parent and loop.run_until_complete(get()) is child else 2
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 30
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            assert time.monotonic() < deadline, "fork child did not finish"
+            time.sleep(0.01)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert loop.run_until_complete(get()) is parent
+    finally:
+        loop.close()
