@@ -582,10 +582,23 @@ class BlobCache:
         outcome: dict[int, bool | None] = {}
         with dc.transact():
             sql = dc._sql
+            ((page_size,),) = sql("PRAGMA page_size").fetchall()
             for p in pending:
-                if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (p.key,)).fetchone() is not None:
+                # One range scan finds both this key (already stored by another process) and the
+                # stale entries of other identities of the same URL.
+                same_url = sql(
+                    "SELECT key FROM Cache WHERE key >= ? AND key < ? AND raw = 1", _url_range(p.url)
+                ).fetchall()
+                if (p.key,) in same_url:
                     outcome[p.pos] = None
                     continue
+                if not same_url:  # the common case: nothing to delete, so no savepoint needed
+                    ((pages,),) = sql("PRAGMA page_count").fetchall()
+                    ((size_sum,),) = sql("SELECT value FROM Settings WHERE key = 'size'").fetchall()
+                    if int(pages) * int(page_size) + int(size_sum) + p.need <= self._size_limit:
+                        self._insert(sql, p)
+                        outcome[p.pos] = True
+                        continue
                 # Each value in its own savepoint: one that does not fit leaves the index exactly as
                 # it was (no stale entry or evicted row deleted for it), as a lone put would.
                 sql("SAVEPOINT blobdata_put")
@@ -594,11 +607,25 @@ class BlobCache:
                     sql("ROLLBACK TO blobdata_put")
                     outcome[p.pos] = False
                 else:
-                    dc.set(p.key, p.value)
+                    self._insert(sql, p)
                     removed += mine
                     outcome[p.pos] = True
                 sql("RELEASE blobdata_put")
         return outcome, [name for name in removed if name]
+
+    @staticmethod
+    def _insert(sql: Any, p: _Pending) -> None:
+        """Insert the row of ``p`` (diskcache's columns; its triggers update count and size)."""
+        if isinstance(p.value, _Staged):
+            size, mode, filename, blob = p.value.size, diskcache.core.MODE_BINARY, p.value.filename, None
+        else:
+            size, mode, filename, blob = 0, diskcache.core.MODE_RAW, None, sqlite3.Binary(p.value.blob)
+        now = time.time()
+        sql(
+            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag,"
+            " size, mode, filename, value) VALUES (?, 1, ?, NULL, ?, 0, NULL, ?, ?, ?, ?)",
+            (p.key, now, now, size, mode, filename, blob),
+        )
 
     def _make_room(self, sql: Any, p: _Pending) -> list[str | None] | None:
         """Delete the stale entries of ``p.url`` and, under LRU, evict until ``p`` fits.
@@ -917,18 +944,30 @@ class CacheWriter:
     The fetch path calls :meth:`offer` and moves on: it never waits for the disk or for the
     index's write lock. Entries queue up to ``max_bytes`` (default 64 MiB); beyond that an offer
     is dropped (the object is simply not cached this time) and counted in ``dropped``. The thread
-    takes up to ``batch`` queued entries at a time and commits them with one
-    :meth:`BlobCache.put_many`. Pending entries are flushed when the process exits normally,
-    including DataLoader workers (a multiprocessing finalizer), within ``flush_timeout`` seconds.
+    commits up to ``batch`` queued entries at a time with one :meth:`BlobCache.put_many`, once
+    ``batch`` entries are queued or the oldest has waited ``linger`` seconds (default 0.2): a
+    transaction costs ~0.25 ms on top of ~0.15 ms per entry, and a DataLoader worker offers a few
+    hundred objects per second, so committing each as it comes would double the cost of caching.
+    Pending entries are flushed when the process exits normally, including DataLoader workers (a
+    multiprocessing finalizer), within ``flush_timeout`` seconds.
     """
 
     def __init__(
-        self, cache: BlobCache, *, max_bytes: int = 64 * 2**20, batch: int = 64, flush_timeout: float = 4.0
+        self,
+        cache: BlobCache,
+        *,
+        max_bytes: int = 64 * 2**20,
+        batch: int = 64,
+        linger: float = 0.2,
+        flush_timeout: float = 4.0,
     ) -> None:
         self.cache = cache
         self.max_bytes = max_bytes
         self.batch = batch
+        self.linger = linger
         self.flush_timeout = flush_timeout
+        self._since = 0.0  # when the oldest queued entry arrived (monotonic)
+        self._flushing = 0  # threads waiting in flush(): commit at once, do not linger
         self.dropped = 0
         self._queue: list[tuple[str, str, bytes]] = []
         self._bytes = 0
@@ -943,9 +982,13 @@ class CacheWriter:
             if self._bytes + len(data) > self.max_bytes and self._queue:
                 self.dropped += 1
                 return False
+            first = not self._queue
+            if first:
+                self._since = time.monotonic()
             self._queue.append((url, identity, data))
             self._bytes += len(data)
-            self._cond.notify()
+            if first or len(self._queue) >= self.batch:  # start the linger clock, or commit now
+                self._cond.notify()
         if self._thread is None or self._pid != os.getpid():
             self._start()
         return True
@@ -965,9 +1008,18 @@ class CacheWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue:
-                    self._cond.wait()
+                while True:
+                    if self._queue and (len(self._queue) >= self.batch or self._flushing):
+                        break
+                    if not self._queue:
+                        self._cond.wait()
+                        continue
+                    left = self._since + self.linger - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
                 todo, self._queue = self._queue[: self.batch], self._queue[self.batch :]
+                self._since = time.monotonic()
                 self._busy = True
             try:
                 self.cache.put_many(todo)
@@ -985,9 +1037,14 @@ class CacheWriter:
             return not self._queue
         deadline = time.monotonic() + (self.flush_timeout if timeout is None else timeout)
         with self._cond:
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._busy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._flushing -= 1
         return True

@@ -863,3 +863,35 @@ def test_cache_writer_batches_in_the_background_and_drops_when_full(tmp_path: Pa
     # nothing waits any more: a later offer is accepted and written
     assert writer.offer("s3://b/late", "e", b"z" * 1000)
     assert writer.flush(10.0) and cache.get("s3://b/late", "e") == b"z" * 1000
+
+
+class _CountingCache(BlobCache):
+    """A real cache that records the size of each batch committed to it."""
+
+    batches: list[int]
+
+    def put_many(self, items: Any) -> list[bool]:
+        self.batches.append(len(items))
+        return super().put_many(items)
+
+
+def test_cache_writer_lingers_to_commit_offers_in_batches(tmp_path: Path) -> None:
+    cache = _CountingCache(tmp_path / "c", size_limit="10MB")
+    cache.batches = []
+    writer = CacheWriter(cache, batch=64, linger=0.5)
+    t0 = time.monotonic()
+    for i in range(10):  # a trickle, as a DataLoader worker offers them
+        assert writer.offer(f"s3://b/k{i}", "e", bytes([i]) * 40_000)
+    assert time.monotonic() - t0 < 0.4, "offers were too slow for this test's timing"
+    deadline = time.monotonic() + 10
+    while cache.get("s3://b/k9", "e") is None:  # written after the linger, without a flush
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert time.monotonic() - t0 >= 0.45
+    assert cache.batches == [10]  # one transaction for the trickle, not ten
+    assert all(cache.get(f"s3://b/k{i}", "e") == bytes([i]) * 40_000 for i in range(10))
+    # flush does not wait for the linger
+    writer.offer("s3://b/last", "e", b"x" * 40_000)
+    t1 = time.monotonic()
+    assert writer.flush(10.0) and time.monotonic() - t1 < 0.4
+    assert cache.batches == [10, 1]
