@@ -25,6 +25,7 @@ from blobdata._fetch import TransientError
 from blobdata._h1 import ERROR_BODY_CAP, BadResponse, ConnectionLost, H1Pool, IncompleteBody
 from blobdata._http import ProcessBound
 from blobdata._s3 import S3Reader
+from tests.support import wait_child
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -495,14 +496,7 @@ def test_fork_child_gets_its_own_pool(s3_bucket: Any) -> None:
                     code = 0 if body == b"forked" else 4
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + 20
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            assert time.monotonic() < deadline, "fork child did not finish"
-            time.sleep(0.01)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_child(pid, 20) == 0
         # The parent's pool and its connection are untouched and still work.
         assert loop.run_until_complete(reader.read(s3_bucket.name, "f.bin")).body == b"forked"
         assert loop.run_until_complete(pool()) is parent and set(parent._conns) == parent_conns

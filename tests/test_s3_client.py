@@ -37,6 +37,7 @@ from blobdata._s3 import (
     quote_key,
     split_identity,
 )
+from tests.support import wait_child
 
 TRICKY_KEYS = [
     "plain.bin",
@@ -599,14 +600,7 @@ def test_process_bound_renews_client_in_fork_child() -> None:
                 code = 0 if child is not parent and loop.run_until_complete(get()) is child else 2
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + 30
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            assert time.monotonic() < deadline, "fork child did not finish"
-            time.sleep(0.01)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_child(pid, 30) == 0
         assert loop.run_until_complete(get()) is parent
     finally:
         loop.close()
