@@ -895,3 +895,22 @@ def test_cache_writer_lingers_to_commit_offers_in_batches(tmp_path: Path) -> Non
     t1 = time.monotonic()
     assert writer.flush(10.0) and time.monotonic() - t1 < 0.4
     assert cache.batches == [10, 1]
+
+
+def test_packs_roll_over_and_dead_packs_go_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not punch_supported(str(tmp_path)):
+        pytest.skip("the temp filesystem cannot punch holes: packs are not used on it")
+    monkeypatch.setattr("blobdata._pack.PACK_BYTES", 3 * aligned(BIG))  # a new pack every 3 values
+    with BlobCache(tmp_path, size_limit="10MB", orphan_grace=0) as cache:
+        for i in range(10):
+            assert cache.put(f"s3://b/{i}", "e", value(i, BIG))
+        packs = sorted(p for p in value_files(tmp_path) if p.suffix == ".pack")
+        assert len(packs) == 4 and len(files_referenced(tmp_path)) == 4
+        assert all(cache.get(f"s3://b/{i}", "e") == value(i, BIG) for i in range(10))
+        cache.clear()  # every range punched; the packs this process no longer owns are deleted
+        assert value_bytes(tmp_path) == 0
+        left = [p for p in value_files(tmp_path) if p.suffix == ".pack"]
+        assert len(left) == 1  # the one it still appends to
+        assert cache.put("s3://b/again", "e", value(99, BIG))
+        assert cache.get("s3://b/again", "e") == value(99, BIG)
+        assert locate(tmp_path, "s3://b/again")[0] == left[0]
