@@ -224,8 +224,8 @@ def litdata(t: Target) -> Prepared:
     return Prepared([("LitData raw", t.loader(ds))], setup_s=setup, note="setup = its indexing")
 
 
-def blobdata(t: Target) -> Prepared:
-    """(6, 7) blobdata FolderDataset: a cold epoch (fresh cache and manifest home), then a warm one."""
+def _blobdata_loader(t: Target, cache_dir: str | None) -> tuple[Any, Any, float]:
+    """(dataset, loader, listing seconds) of a FolderDataset over the bucket, fresh manifest home."""
     os.environ["BLOBDATA_CACHE_HOME"] = os.path.join(t.scratch, "blobdata-home")
     from blobdata import FolderDataset
     from blobdata._demo import TrainTransform
@@ -235,7 +235,7 @@ def blobdata(t: Target) -> Prepared:
         f"s3://{t.bucket}/{t.image_prefix}",
         transform=TrainTransform(224),
         storage_options=t.s3fs_options(),
-        cache_dir=os.path.join(t.scratch, "blobdata-cache"),
+        cache_dir=cache_dir,
         cache_size="50GB",
     )
     setup = time.perf_counter() - t0
@@ -248,6 +248,12 @@ def blobdata(t: Target) -> Prepared:
         generator=torch.Generator().manual_seed(t.seed),
         persistent_workers=False,
     )
+    return ds, loader, setup
+
+
+def blobdata(t: Target) -> Prepared:
+    """(6, 7) blobdata FolderDataset: a cold epoch (fresh cache and manifest home), then a warm one."""
+    ds, loader, setup = _blobdata_loader(t, os.path.join(t.scratch, "blobdata-cache"))
     return Prepared(
         [("blobdata cold", loader), ("blobdata warm", loader)],
         setup_s=setup,
@@ -258,22 +264,7 @@ def blobdata(t: Target) -> Prepared:
 
 def blobdata_nocache(t: Target) -> Prepared:
     """blobdata without a cache dir: one cold epoch, isolating what the cache writes cost (diagnostic)."""
-    os.environ["BLOBDATA_CACHE_HOME"] = os.path.join(t.scratch, "blobdata-home")
-    from blobdata import FolderDataset
-    from blobdata._demo import TrainTransform
-
-    t0 = time.perf_counter()
-    ds = FolderDataset(
-        f"s3://{t.bucket}/{t.image_prefix}", transform=TrainTransform(224), storage_options=t.s3fs_options()
-    )
-    setup = time.perf_counter() - t0
-    loader = ds.dataloader(
-        batch_size=t.batch_size,
-        shuffle=True,
-        num_workers=t.workers,
-        generator=torch.Generator().manual_seed(t.seed),
-        persistent_workers=False,
-    )
+    ds, loader, setup = _blobdata_loader(t, None)
     return Prepared([("blobdata no cache", loader)], setup_s=setup, note="cache_dir=None", close=ds.close)
 
 

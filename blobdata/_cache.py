@@ -149,7 +149,7 @@ class _Corrupt(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class _Staged:
-    """A value file already written and renamed; its row is not inserted yet."""
+    """A value already on disk (a pack slice, or a value file written and renamed); no row yet."""
 
     filename: str
     size: int

@@ -61,9 +61,6 @@ class Headers:
     def get(self, name: str, default: str | None = None) -> str | None:
         return self._d.get(name.lower(), default)
 
-    def __contains__(self, name: str) -> bool:
-        return name.lower() in self._d
-
     def __repr__(self) -> str:
         return f"Headers({self._d!r})"
 

@@ -1,9 +1,11 @@
-"""HTTP plumbing shared by the lean readers (S3, GCS, Azure): per-process clients, lean sessions.
+"""HTTP plumbing shared by the lean readers: per-process clients (S3, GCS, Azure), lean aiohttp
+sessions (GCS, Azure; S3 has its own client, :mod:`blobdata._h1`).
 
-A client (an aiohttp session, an Azure service client) belongs to the process and event loop that
-made it. After fork, or on another loop, it must neither be used nor closed (closing would touch
-the parent's sockets): :class:`ProcessBound` makes a new one and keeps the old one referenced in
-``orphans`` so that its destructor never runs against the parent's connections.
+A client (an aiohttp session, an :class:`~blobdata._h1.H1Pool`, an Azure service client) belongs
+to the process and event loop that made it. After fork, or on another loop, it must neither be used
+nor closed (closing would touch the parent's sockets): :class:`ProcessBound` makes a new one and
+keeps the old one referenced in ``orphans`` so that its destructor never runs against the parent's
+connections.
 """
 
 from __future__ import annotations

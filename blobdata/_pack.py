@@ -36,14 +36,16 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-__all__ = ["ALIGN", "PACK_BYTES", "PACK_DIR", "SLICE_RE", "PackStore", "aligned", "punch_supported"]
+__all__ = [
+    "ALIGN", "PACK_BYTES", "PACK_DIR", "PackStore", "aligned", "parse_slice", "punch", "punch_supported",
+]  # fmt: skip
 
 ALIGN = 4096
 """Every value starts at a multiple of this (the filesystem block), so a punch frees exactly its blocks."""
 PACK_BYTES = 256 * 2**20
 """A writer starts a new pack once its pack reaches this length (bytes)."""
 PACK_DIR = "pk"
-SLICE_RE = re.compile(r"(pk/[0-9a-f]{32}\.pack)@([0-9a-f]{1,16})\+([0-9a-f]{1,16})-([cz])([0-9a-f]{8})")
+_SLICE_RE = re.compile(r"(pk/[0-9a-f]{32}\.pack)@([0-9a-f]{1,16})\+([0-9a-f]{1,16})-([cz])([0-9a-f]{8})")
 """A slice name: group 1 the pack, 2 the offset, 3 the value length, 4-5 the checksum kind and value."""
 _PACK_RE = re.compile(r"[0-9a-f]{32}\.pack")
 _MAX_OPEN = 64  # pack descriptors a process keeps open for reads and punches
@@ -278,7 +280,7 @@ class PackStore:
 
 def parse_slice(name: str) -> tuple[str, int, int, str, int] | None:
     """(pack, offset, length, checksum kind, checksum) of a slice name; None if it is not one."""
-    match = SLICE_RE.fullmatch(name)
+    match = _SLICE_RE.fullmatch(name)
     if match is None:
         return None
     pack, offset, length, kind, crc = match.groups()

@@ -384,19 +384,19 @@ class S3Reader:
         self._verify: bool | str = client_kwargs.get("verify", True)
         self._concurrency = concurrency
         self._signer = SigV4Signer()
-        self._sessions = ProcessBound(self._new_session, H1Pool.aclose)
+        self._pools = ProcessBound(self._new_pool, H1Pool.aclose)
 
     def __repr__(self) -> str:
         return f"S3Reader(endpoint={self._endpoint or 'aws'!r}, region={self._region!r}, anon={self._anon})"
 
     # -- per-process state -------------------------------------------------------------------
-    def _new_session(self) -> H1Pool:
+    def _new_pool(self) -> H1Pool:
         # Sends only the headers it is given: no Accept, Accept-Encoding or User-Agent (S3 needs none).
         return H1Pool(self._concurrency, verify=self._verify)
 
     async def close(self) -> None:
         """Close this process's connections (safe to call more than once)."""
-        await self._sessions.aclose()
+        await self._pools.aclose()
 
     async def _credentials(self) -> Credentials | None:
         if self._anon:
@@ -446,7 +446,7 @@ class S3Reader:
         region the store named; transport failures become :class:`~blobdata._fetch.TransientError`.
         ``timeout`` (seconds) bounds the whole request, connect to last byte.
         """
-        pool = self._sessions.get()
+        pool = self._pools.get()
         # Static and anonymous credentials without a coroutine per request; the chain awaits.
         if self._anon:
             creds = None

@@ -435,7 +435,7 @@ def test_s3_reader_reads_ranges_and_errors_over_one_connection(s3_bucket: Any) -
         assert part.body == data[10:20] and part.total == len(data)
         with pytest.raises(FileNotFoundError):
             await reader.read(s3_bucket.name, "d/missing.bin")
-        pool = reader._sessions.get()
+        pool = reader._pools.get()
         assert len(pool._conns) == 1  # every request, the 404 included, kept the connection
         await reader.close()
         assert not pool._conns
@@ -478,7 +478,7 @@ def test_fork_child_gets_its_own_pool(s3_bucket: Any) -> None:
         assert loop.run_until_complete(reader.read(s3_bucket.name, "f.bin")).body == b"forked"
 
         async def pool() -> H1Pool:
-            return reader._sessions.get()
+            return reader._pools.get()
 
         parent = loop.run_until_complete(pool())
         parent_conns = set(parent._conns)
