@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from blobdata._servers import LocalS3Server, S3Endpoint, find_free_port, s3_client
+from tests.support import proxy as proxy_module
 from tests.support.proxy import LatencyProxy
 
 pytestmark = pytest.mark.network
@@ -114,6 +115,25 @@ def test_proxy_bandwidth_cap(s3_bucket: Any, s3_server: S3Endpoint) -> None:
         t0 = time.monotonic()
         client.get_object(Bucket=s3_bucket.name, Key="bw.bin")["Body"].read()
         assert time.monotonic() - t0 >= 0.2  # 1 MB at 4 MB/s is 0.25 s
+
+
+def test_proxy_back_pressure_keeps_every_byte_in_order(
+    s3_bucket: Any, s3_server: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A slow reader behind a small delay buffer: the proxy must stop reading from the server (not
+    # buffer without bound) and resume, and the body must still arrive whole and in order.
+    payload = os.urandom(6 * 1024 * 1024)
+    s3_bucket.put("slow.bin", payload)
+    monkeypatch.setattr(proxy_module, "_PENDING_BYTES", 256 * 1024)
+    with LatencyProxy(*_host_port(s3_server), delay_s=0.005) as proxy:
+        client = _client(s3_server, proxy.endpoint_url, timeout_s=30)
+        body = client.get_object(Bucket=s3_bucket.name, Key="slow.bin")["Body"]
+        chunks = []
+        while chunk := body.read(256 * 1024):
+            chunks.append(chunk)
+            time.sleep(0.01)
+        assert b"".join(chunks) == payload
+        assert proxy.read_pauses > 0
 
 
 def test_proxy_counts_requests_on_keep_alive_connections(s3_bucket: Any, s3_proxy: Any) -> None:

@@ -8,11 +8,14 @@ Used by fault tests and by the benchmarks (``from tests.support.proxy import Lat
         assert [m for m, _ in proxy.requests].count("GET") == 3
         proxy.fail_next(2, "status503")          # the next two requests get 503 SlowDown
 
-The proxy runs its own asyncio loop on a daemon thread. Each direction of each connection is a
-reader that stamps every chunk with ``arrival + delay_s`` and a writer that releases chunks at their
-stamps, so latency is added without capping throughput (a chunk never waits for the one before it
-to be delayed). Client->server bytes are parsed as HTTP/1.1 (request line, headers, bodies framed by
-Content-Length or chunked encoding) so requests on keep-alive connections are counted one by one.
+The proxy runs its own asyncio loop on a daemon thread, with protocol callbacks rather than streams
+(the benchmarks measure CPU on a 2-core machine it shares with the client and the server, so it has to
+be cheap: no task, queue or future per chunk). Each direction of each connection stamps every chunk
+with ``arrival + delay_s`` and one timer releases the due chunks in order, so latency is added
+without capping throughput (a chunk never waits for the one before it to be delayed). Reading stops
+while a direction holds more than ``_PENDING_BYTES`` or its destination's buffer is full.
+Client->server bytes are parsed as HTTP/1.1 (request line, headers, bodies framed by Content-Length
+or chunked encoding) so requests on keep-alive connections are counted one by one.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import contextlib
 import socket
 import struct
 import threading
-import time
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
 
@@ -32,8 +36,7 @@ __all__ = ["FAULT_MODES", "FaultMode", "LatencyProxy"]
 FaultMode = Literal["reset", "close", "status503", "status500", "stall"]
 FAULT_MODES: tuple[FaultMode, ...] = ("reset", "close", "status503", "status500", "stall")
 
-_CHUNK = 64 * 1024  # bytes read per socket read
-_QUEUE_CHUNKS = 512  # chunks in flight per direction (32 MiB): above bandwidth x delay for tests
+_PENDING_BYTES = 32 * 1024 * 1024  # delayed bytes per direction before reading pauses (> bandwidth x delay)
 _MAX_HEAD = 64 * 1024  # a request head longer than this means the stream is not HTTP: stop parsing
 _CONNECT_TIMEOUT_S = 10.0
 
@@ -48,7 +51,11 @@ _INTERNAL = (
 )
 
 
-def _error_response(status: int, reason: str, body: bytes, *, close: bool) -> bytes:
+def _error_response(mode: FaultMode, *, close: bool) -> bytes:
+    """The proxy's own answer for a ``status503`` or ``status500`` fault."""
+    status, reason, body = (
+        (503, "Slow Down", _SLOWDOWN) if mode == "status503" else (500, "Internal Server Error", _INTERNAL)
+    )
     head = (
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
         f"Content-Length: {len(body)}\r\nx-amz-request-id: blobdata-proxy\r\n"
@@ -143,17 +150,288 @@ class _Fault:
     method: str | None
 
 
-@dataclass(eq=False)  # hashed by identity: kept in a set
+class _Direction:
+    """One direction of a connection: chunks stamped with their release time, written out by one timer.
+
+    ``push`` stamps a chunk (``None`` = end of stream) with ``now + delay`` (later under a bandwidth
+    cap; never before the chunk ahead of it) and arms the timer if it is idle; ``_release`` writes every
+    due chunk and re-arms for the next. The source stops reading while too many bytes wait here or
+    the destination's transport buffer is full, and resumes when both drain.
+    """
+
+    def __init__(self, conn: _Conn, *, extra_s: float, on_end: Callable[[], None]) -> None:
+        self.conn = conn
+        self.dst: asyncio.Transport | None = None
+        self.src: asyncio.Transport | None = None
+        self._chunks: deque[tuple[float, bytes | None]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._extra_s = extra_s  # added to the first chunk only (connect_delay_s)
+        self._last = 0.0  # release time of the newest chunk
+        self._next_free = 0.0  # bandwidth cap: when this direction may send its next byte
+        self._pending = 0
+        self._dst_full = False
+        self._src_paused = False
+        self._on_end = on_end
+        self.ended = False
+
+    def push(self, data: bytes | None) -> None:
+        proxy, loop = self.conn.proxy, self.conn.loop
+        now = loop.time()
+        release = max(now + proxy.delay_s + self._extra_s, self._last)
+        self._extra_s = 0.0
+        if data is not None:
+            bandwidth = proxy.bandwidth_bytes_per_s
+            if bandwidth is not None:
+                release = max(release, self._next_free)
+                self._next_free = release + len(data) / bandwidth
+            self._pending += len(data)
+        self._last = release
+        self._chunks.append((release, data))
+        if self._timer is None:
+            self._timer = loop.call_at(release, self._release)
+        self._throttle()
+
+    def _release(self) -> None:
+        self._timer = None
+        chunks, now = self._chunks, self.conn.loop.time()
+        while chunks and chunks[0][0] <= now:
+            data = chunks.popleft()[1]
+            if data is None:
+                self.ended = True
+                chunks.clear()
+                self._on_end()
+                return
+            self._pending -= len(data)
+            if self.dst is not None and not self.dst.is_closing():
+                self.dst.write(data)
+        if chunks:
+            self._timer = self.conn.loop.call_at(chunks[0][0], self._release)
+        self._throttle()
+
+    def dst_full(self, full: bool) -> None:
+        self._dst_full = full
+        self._throttle()
+
+    def _throttle(self) -> None:
+        stop = self._dst_full or self._pending > _PENDING_BYTES
+        src = self.src
+        if src is None or stop == self._src_paused or src.is_closing():
+            return
+        self._src_paused = stop
+        if stop:
+            self.conn.proxy.read_pauses += 1
+            src.pause_reading()
+        else:
+            src.resume_reading()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._chunks.clear()
+
+
 class _Conn:
-    client: asyncio.StreamWriter
-    server: asyncio.StreamWriter | None = None
-    to_server: asyncio.Queue[tuple[float, bytes] | None] = field(
-        default_factory=lambda: asyncio.Queue(_QUEUE_CHUNKS)
-    )
-    to_client: asyncio.Queue[tuple[float, bytes] | None] = field(
-        default_factory=lambda: asyncio.Queue(_QUEUE_CHUNKS)
-    )
-    done: asyncio.Event = field(default_factory=asyncio.Event)
+    """One client connection, its upstream connection and the two delayed directions between them."""
+
+    def __init__(self, proxy: LatencyProxy, loop: asyncio.AbstractEventLoop) -> None:
+        self.proxy = proxy
+        self.loop = loop
+        self.client: asyncio.Transport | None = None
+        self.server: asyncio.Transport | None = None
+        self.up = _Direction(self, extra_s=proxy.connect_delay_s, on_end=self._client_sent_all)
+        self.down = _Direction(self, extra_s=0.0, on_end=self.finish)
+        self.parser = _RequestParser() if proxy.count_requests else None
+        self.drop = False  # the current request is answered by the proxy: not forwarded
+        self.ignore_client = False  # stalled, or answered and closing: the client's bytes go nowhere
+        self.stalled = False
+        self.closed = False
+        self.connect_task: asyncio.Task[None] | None = None
+
+    def _client_sent_all(self) -> None:
+        server = self.server
+        if server is not None and not server.is_closing() and server.can_write_eof():
+            server.write_eof()  # half-close upstream, as the client did
+
+    def finish(self) -> None:
+        """Everything the server sent reached the client (or the client is to be closed): close both."""
+        if self.closed:
+            return
+        self.closed = True
+        self.up.cancel()
+        self.down.cancel()
+        if self.client is not None:
+            self.client.close()  # flushes what is buffered, then FIN
+        if self.server is not None:
+            self.server.close()
+        if self.connect_task is not None:
+            self.connect_task.cancel()
+        self.proxy._conns.discard(self)
+
+    def abort(self, *, rst: bool = False) -> None:
+        """Drop both connections now (``rst``: make the client see a reset rather than a FIN)."""
+        if rst and self.client is not None:
+            sock = self.client.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        for transport in (self.client, self.server):
+            if transport is not None:
+                transport.abort()
+        self.finish()
+
+    # -- client side ------------------------------------------------------------------------------
+
+    def client_data(self, data: bytes) -> None:
+        if self.ignore_client or self.closed:
+            return
+        if self.parser is None:
+            self.up.push(data)
+            return
+        for kind, chunk, req in self.parser.feed(data):
+            if self.ignore_client:
+                return
+            if kind == "head":
+                assert req is not None
+                self.drop = False
+                with self.proxy._lock:
+                    self.proxy._requests.append((req.method, req.target))
+                mode = self.proxy._take_fault(req.method)
+                if mode is not None:
+                    self._request_fault(mode, req)
+                    if self.closed:
+                        return
+                    continue
+            if not self.drop:
+                self.up.push(chunk)
+
+    def _request_fault(self, mode: FaultMode, req: _Request) -> None:
+        if mode == "reset":
+            self.abort(rst=True)
+        elif mode == "close":
+            self.finish()  # a FIN, not a RST
+        elif mode == "stall":
+            self.ignore_client = self.stalled = True  # never forwarded, never answered
+        else:
+            # A client waiting on 100-continue may or may not send its body now: close after answering
+            # so the stream cannot get out of step.
+            self.down.push(_error_response(mode, close=req.expects_continue))
+            self.drop = True
+            if req.expects_continue:
+                self.ignore_client = True
+                self.down.push(None)
+
+    def client_eof(self) -> None:
+        if self.stalled:
+            self.finish()  # a stalled request's client left
+        elif not self.ignore_client:
+            self.up.push(None)
+
+    def connection_fault(self, mode: FaultMode) -> None:
+        """``count_requests=False``: a fault applies to the whole connection, before any byte."""
+        assert self.client is not None
+        if mode == "reset":
+            self.abort(rst=True)
+        elif mode == "close":
+            self.finish()
+        elif mode in ("status503", "status500"):
+            self.client.write(_error_response(mode, close=True))
+            self.finish()
+        else:  # stall: hold the connection until the client leaves or the proxy stops
+            self.ignore_client = self.stalled = True
+
+    async def connect(self) -> None:
+        proxy = self.proxy
+        try:
+            transport, _ = await asyncio.wait_for(
+                self.loop.create_connection(lambda: _ServerSide(self), proxy.target_host, proxy.target_port),
+                _CONNECT_TIMEOUT_S,
+            )
+        except (OSError, asyncio.TimeoutError):
+            self.abort()
+            return
+        finally:
+            self.connect_task = None
+        if self.closed:
+            transport.abort()
+            return
+        self.server = transport  # type: ignore[assignment]
+        self.up.dst = self.server
+        self.down.src = self.server
+        assert self.client is not None
+        self.client.resume_reading()  # paused until there was somewhere to send its bytes
+
+
+class _ClientSide(asyncio.Protocol):
+    def __init__(self, proxy: LatencyProxy) -> None:
+        self.proxy = proxy
+        self.conn: _Conn | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        proxy = self.proxy
+        conn = self.conn = _Conn(proxy, asyncio.get_running_loop())
+        conn.client = transport
+        conn.up.src = transport
+        conn.down.dst = transport
+        proxy._conns.add(conn)
+        proxy.connections_opened += 1
+        if not proxy.count_requests:
+            mode = proxy._take_fault(None)
+            if mode is not None:
+                conn.connection_fault(mode)
+                return
+        transport.pause_reading()
+        conn.connect_task = asyncio.ensure_future(conn.connect())
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn is not None:
+            self.conn.client_data(data)
+
+    def eof_received(self) -> bool:
+        if self.conn is not None:
+            self.conn.client_eof()
+        return True  # keep our sending side open: the response may still be on its way
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn is not None:
+            self.conn.abort()
+
+    def pause_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.down.dst_full(True)
+
+    def resume_writing(self) -> None:
+        if self.conn is not None:
+            self.conn.down.dst_full(False)
+
+
+class _ServerSide(asyncio.Protocol):
+    def __init__(self, conn: _Conn) -> None:
+        self.conn = conn
+        self.ended = False
+
+    def data_received(self, data: bytes) -> None:
+        if not self.conn.closed:
+            self.conn.down.push(data)
+
+    def eof_received(self) -> bool:
+        self._end()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end()  # a reset ends the stream like a FIN: the client sees it after the delay
+
+    def _end(self) -> None:
+        if not self.ended and not self.conn.closed:
+            self.ended = True
+            self.conn.down.push(None)  # the client is closed once everything before has reached it
+
+    def pause_writing(self) -> None:
+        self.conn.up.dst_full(True)
+
+    def resume_writing(self) -> None:
+        self.conn.up.dst_full(False)
 
 
 class LatencyProxy:
@@ -191,6 +469,7 @@ class LatencyProxy:
         self.count_requests = count_requests
         self.port = 0
         self.connections_opened = 0
+        self.read_pauses = 0  # times a direction stopped reading: its destination or delay buffer was full
         self._lock = threading.Lock()
         self._requests: list[tuple[str, str]] = []
         self._faults: list[_Fault] = []
@@ -199,7 +478,6 @@ class LatencyProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------------------- public API
 
@@ -268,7 +546,7 @@ class LatencyProxy:
             self._loop = loop
             try:
                 self._server = loop.run_until_complete(
-                    asyncio.start_server(self._on_client, "127.0.0.1", 0, limit=_CHUNK)
+                    loop.create_server(lambda: _ClientSide(self), "127.0.0.1", 0)
                 )
                 self.port = self._server.sockets[0].getsockname()[1]
             except BaseException as exc:
@@ -327,177 +605,8 @@ class LatencyProxy:
         if self._server is not None:
             self._server.close()
         for conn in list(self._conns):
-            self._abort(conn)
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=1.0)
+            conn.abort()
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         await asyncio.sleep(0)  # let aborted transports run connection_lost before the loop closes
-
-    def _abort(self, conn: _Conn, *, rst: bool = False) -> None:
-        if rst:
-            sock = conn.client.get_extra_info("socket")
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        conn.client.transport.abort()
-        if conn.server is not None:
-            conn.server.transport.abort()
-        conn.done.set()
-
-    async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        conn = _Conn(writer)
-        self._conns.add(conn)
-        self.connections_opened += 1
-        pumps: list[asyncio.Task[None]] = []
-        try:
-            if not self.count_requests:
-                mode = self._take_fault(None)
-                if mode is not None:
-                    await self._apply_connection_fault(conn, mode)
-                    return
-            try:
-                sreader, swriter = await asyncio.wait_for(
-                    asyncio.open_connection(self.target_host, self.target_port, limit=_CHUNK),
-                    _CONNECT_TIMEOUT_S,
-                )
-            except (OSError, asyncio.TimeoutError):
-                self._abort(conn)
-                return
-            conn.server = swriter
-            pumps = [
-                asyncio.ensure_future(self._read_client(reader, conn)),
-                asyncio.ensure_future(self._write(conn.to_server, swriter, conn, first_extra=True)),
-                asyncio.ensure_future(self._read_server(sreader, conn)),
-                asyncio.ensure_future(self._write(conn.to_client, conn.client, conn, first_extra=False)),
-            ]
-            await conn.done.wait()
-        except asyncio.CancelledError:
-            pass
-        finally:
-            for pump in pumps:
-                pump.cancel()
-            if pumps:
-                await asyncio.wait(pumps, timeout=1.0)
-            self._abort(conn)
-            self._conns.discard(conn)
-            self._tasks.discard(task)
-
-    async def _apply_connection_fault(self, conn: _Conn, mode: FaultMode) -> None:
-        if mode == "reset":
-            self._abort(conn, rst=True)
-        elif mode == "close":
-            conn.client.close()
-        elif mode in ("status503", "status500"):
-            body = _SLOWDOWN if mode == "status503" else _INTERNAL
-            reason = "Slow Down" if mode == "status503" else "Internal Server Error"
-            conn.client.write(_error_response(503 if mode == "status503" else 500, reason, body, close=True))
-            with contextlib.suppress(OSError):
-                await conn.client.drain()
-            conn.client.close()
-        else:  # stall: hold the connection until the client leaves or the proxy stops
-            await conn.done.wait()
-
-    async def _read_client(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
-        parser = _RequestParser() if self.count_requests else None
-        drop = False  # the current request is answered by the proxy (or stalled): not forwarded
-        stalled = False
-        try:
-            while True:
-                data = await reader.read(_CHUNK)
-                if not data:
-                    break
-                now = time.monotonic()
-                if parser is None:
-                    await conn.to_server.put((now + self.delay_s, data))
-                    continue
-                for kind, chunk, req in parser.feed(data):
-                    if stalled:
-                        continue
-                    if kind == "head":
-                        assert req is not None
-                        with self._lock:
-                            self._requests.append((req.method, req.target))
-                        mode = self._take_fault(req.method)
-                        drop = mode is not None
-                        if mode == "reset":
-                            self._abort(conn, rst=True)
-                            return
-                        if mode == "close":
-                            conn.client.close()  # a FIN, not a RST
-                            conn.done.set()
-                            return
-                        if mode == "stall":
-                            stalled = True
-                            continue
-                        if mode is not None:
-                            status, reason, body = (
-                                (503, "Slow Down", _SLOWDOWN)
-                                if mode == "status503"
-                                else (500, "Internal Server Error", _INTERNAL)
-                            )
-                            # A client waiting on 100-continue may or may not send its body now:
-                            # close after answering so the stream cannot get out of step.
-                            response = _error_response(status, reason, body, close=req.expects_continue)
-                            await conn.to_client.put((now + self.delay_s, response))
-                            if req.expects_continue:
-                                await conn.to_client.put(None)
-                                return
-                            continue
-                    if not drop:
-                        await conn.to_server.put((now + self.delay_s, chunk))
-            if not stalled:
-                await conn.to_server.put(None)  # client finished sending: half-close upstream
-            else:
-                conn.done.set()
-        except (ConnectionError, OSError):
-            conn.done.set()
-
-    async def _read_server(self, reader: asyncio.StreamReader, conn: _Conn) -> None:
-        try:
-            while True:
-                data = await reader.read(_CHUNK)
-                if not data:
-                    break
-                await conn.to_client.put((time.monotonic() + self.delay_s, data))
-        except (ConnectionError, OSError):
-            pass
-        await conn.to_client.put(None)
-
-    async def _write(
-        self,
-        queue: asyncio.Queue[tuple[float, bytes] | None],
-        writer: asyncio.StreamWriter,
-        conn: _Conn,
-        *,
-        first_extra: bool,
-    ) -> None:
-        extra = self.connect_delay_s if first_extra else 0.0
-        next_free = 0.0  # bandwidth: when this direction may send its next byte
-        try:
-            while True:
-                item = await queue.get()
-                if item is None:
-                    if writer is conn.client:
-                        conn.done.set()  # server finished and everything reached the client
-                    elif writer.can_write_eof():
-                        writer.write_eof()
-                    return
-                release, data = item
-                release, extra = release + extra, 0.0
-                if self.bandwidth_bytes_per_s is not None:
-                    release = max(release, next_free)
-                    next_free = max(release, time.monotonic()) + len(data) / self.bandwidth_bytes_per_s
-                wait = release - time.monotonic()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, OSError):
-            conn.done.set()
