@@ -264,12 +264,13 @@ def system_table(rows: list[Row]) -> str:
                 fmt(r.cpu_s * per, ".1f"),
                 fmt(r.main_cpu_s * per, ".2f"),
                 fmt(r.server_cpu_s * per, ".2f"),
+                fmt(r.proxy_cpu_s * per, ".2f"),
                 "-" if r.gets is None else str(r.gets),
                 r.note if len(r.note) <= 40 else r.note[:37] + "...",
             ]
         )
     headers = ["system", "images/s", "1st batch s", "x local", "setup s", "cpu ms/img", "main ms/img"]
-    headers += ["srv ms/img", "GETs"]
+    headers += ["srv ms/img", "proxy ms/img", "GETs"]
     headers.append("note")
     return table(headers, out)
 
@@ -290,6 +291,27 @@ def goals(rows: list[Row]) -> list[str]:
             f"goal blobdata cold >= WebDataset: {cold.rate:.0f} vs {wds.rate:.0f} img/s -> {verdict}"
         )
     return lines
+
+
+def cpu_budget(rows: list[Row]) -> list[str]:
+    """Where each system's CPU per image goes, and the rate that CPU allows on this machine's cores.
+
+    Every system here is CPU-bound on a machine it shares with the S3 server and the latency proxy,
+    so ``cores / (client + server + proxy)`` bounds its images/s; the terms say where a gap comes from.
+    """
+    cores = os.cpu_count() or 1
+    lines = [f"CPU ms per image (client = the child and its workers) and the bound it sets on {cores} cores:"]
+    for r in rows:
+        if not r.images or math.isnan(r.cpu_s) or r.name not in ("local disk", "WebDataset", "blobdata cold"):
+            continue
+        parts = [r.cpu_s, r.server_cpu_s, 0.0 if math.isnan(r.proxy_cpu_s) else r.proxy_cpu_s]
+        client, server, proxy = (1000 * x / r.images for x in parts)
+        total = client + server + proxy
+        lines.append(
+            f"  {r.name:14} client {client:.2f} + server {server:.2f} + proxy {proxy:.2f} = {total:.2f}"
+            f" -> at most {1000 * cores / total:.0f} img/s (measured {r.rate:.0f})"
+        )
+    return lines if len(lines) > 1 else []
 
 
 def raw_table(raw: dict[str, Any]) -> str:
@@ -502,12 +524,12 @@ def run_rtt(
         if "error" in res:
             print(f"    error: {res['error']}", flush=True)
 
-    parts = [f"--- RTT {rtt:g} ms ---", system_table(rows), *goals(rows)]
+    parts = [f"--- RTT {rtt:g} ms ---", system_table(rows), *goals(rows), *cpu_budget(rows)]
     parts += [f"{r.name}: {r.note}" for r in rows if not r.images and len(r.note) > 40]
     if proxy is not None:
-        cpu = ", ".join(f"{r.name} {r.proxy_cpu_s:.0f}s" for r in rows if not math.isnan(r.proxy_cpu_s))
         parts.append(
-            f"GETs: object GETs seen by the proxy per system run; proxy CPU (in this process): {cpu}"
+            "GETs: object GETs seen by the proxy per system run; proxy ms/img: the proxy's CPU (a thread of"
+            " this process) over the whole system run, listing included, per image of its first epoch"
         )
     if rtt == 50:
         parts.append(PREVIOUS)
