@@ -102,7 +102,8 @@ class _Process:
                 )
         self.writer = CacheWriter(self.cache) if self.cache is not None else None
         self.stager: Stager | None = None
-        self.plan_seq: int | None = None
+        self.plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
+        self.ramp = 0  # batches served this epoch, up to where the look-ahead reaches its full depth
         # Connections belong to this process's loop: close them there when this state goes away
         # (the engine closes them itself at interpreter exit).
         weakref.finalize(self, _close_engine, self.engine, self.pid)
@@ -137,7 +138,9 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                       :attr:`errors`. A callable ``(url, exc)`` skips and is called for each bad sample.
     fetch_options:    :class:`FetchOptions` (requests in flight, deadline, retries, part size).
     lookahead:        samples each process fetches ahead of the sampler's order (default 1024; 0 disables);
-                      effective with loaders from :meth:`dataloader`.
+                      effective with loaders from :meth:`dataloader`. Each epoch starts two batches
+                      ahead and doubles per batch up to this depth, so that the first batch does
+                      not wait behind a burst of requests.
     lookahead_bytes:  bytes each process may hold staged ahead (default 256MiB).
     """
 
@@ -331,14 +334,23 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             k = plan.locate(indices) if plan is not None else None
             if plan is None or k is None:
                 return
-        if proc.plan_seq != plan.seq:
-            stager.clear()  # a new epoch: what was staged for the old order is useless
-            proc.plan_seq = plan.seq
+        if proc.plan_key != (channel.path, plan.seq):
+            # A new epoch, or a new loader (whose channel numbers its plans from 1 again): what was
+            # staged for the old order is useless.
+            stager.clear()
+            proc.plan_key = (channel.path, plan.seq)
+            proc.ramp = 0
+        # Reach the full depth over the epoch's first batches (2, 4, 8, ... batches ahead): a full
+        # burst at once would make the first batch's decoding wait for the CPU that hundreds of
+        # responses take, while a couple of batches ahead is already far more than one round trip.
+        depth = min(stager.max_items, max(len(indices), 1) << (proc.ramp + 1))
+        if depth < stager.max_items:
+            proc.ramp += 1
         info = torch.utils.data.get_worker_info()
         stride = info.num_workers if info is not None else 1
         ahead: list[int] = []
         nxt = k + stride
-        while nxt < plan.num_batches and len(ahead) < stager.max_items:
+        while nxt < plan.num_batches and len(ahead) < depth:
             ahead.extend(plan.batch(nxt).tolist())
             nxt += stride
         stager.schedule(ahead)

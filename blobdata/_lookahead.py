@@ -5,7 +5,8 @@ DataLoader's batch sampler, materialises each epoch's batches and publishes them
 shared directory (``/dev/shm`` when available). Each process that serves batches (a DataLoader worker,
 or the main process with ``num_workers=0``) reads the plan, finds the batch it was just given, and
 stages the batches it will be given next: the DataLoader hands batch ``k`` to worker ``k % W``, so
-worker ``w`` stages batches ``k+W, k+2W, ...`` up to a depth in samples and in bytes. Staged bytes live
+worker ``w`` stages batches ``k+W, k+2W, ...`` up to a depth in samples and in bytes (reached over
+the epoch's first batches: two batches ahead, then doubling). Staged bytes live
 in a bounded in-memory :class:`Stager` and are dropped once consumed. If the plan does not match (a
 sampler blobdata did not see), nothing is staged and batches are still fetched all at once.
 """

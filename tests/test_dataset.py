@@ -319,6 +319,25 @@ def test_staging_area_stays_within_its_bounds(s3_bucket: Any) -> None:
     assert len(stager) == 0 and stager.staged_bytes == 0  # consumed items are dropped
 
 
+def test_look_ahead_ramps_up_over_the_first_batches(s3_bucket: Any) -> None:
+    s3_bucket.put_many({f"ramp/c/{i:03d}.png": _png(i) for i in range(80)})
+    ds = FolderDataset(
+        s3_bucket.url("ramp"), loader=_sum_loader, storage_options=s3_bucket.storage_options, lookahead=1000
+    )
+    for _ in range(2):  # each epoch starts again from two batches ahead
+        it = iter(ds.dataloader(batch_size=4, shuffle=True, num_workers=0))
+        staged = []
+        for _ in range(4):
+            next(it)
+            stager = ds._proc.stager  # type: ignore[union-attr]
+            assert stager is not None
+            staged.append(len(stager))
+        # 2, 4, 8, 16 batches of 4 ahead, less the batch just taken from what was staged
+        assert staged == [8, 16, 32, 64]
+        list(it)
+        assert len(stager) == 0
+
+
 def test_cached_epoch_reads_nothing_from_the_bucket(s3_bucket: Any, s3_proxy: Any, tmp_path: Any) -> None:
     s3_bucket.put_many({f"w/c{i % 2}/{i}.png": _png(i) for i in range(12)})
     ds = FolderDataset(
