@@ -172,7 +172,6 @@ class _Direction:
         self._dst_full = False
         self._src_paused = False
         self._on_end = on_end
-        self.ended = False
 
     def push(self, data: bytes | None) -> None:
         proxy, loop = self.conn.proxy, self.conn.loop
@@ -197,7 +196,6 @@ class _Direction:
         while chunks and chunks[0][0] <= now:
             data = chunks.popleft()[1]
             if data is None:
-                self.ended = True
                 chunks.clear()
                 self._on_end()
                 return
@@ -234,13 +232,14 @@ class _Direction:
 class _Conn:
     """One client connection, its upstream connection and the two delayed directions between them."""
 
-    def __init__(self, proxy: LatencyProxy, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, proxy: LatencyProxy, client: asyncio.Transport) -> None:
         self.proxy = proxy
-        self.loop = loop
-        self.client: asyncio.Transport | None = None
-        self.server: asyncio.Transport | None = None
+        self.loop = asyncio.get_running_loop()
+        self.client = client
+        self.server: asyncio.Transport | None = None  # once connected
         self.up = _Direction(self, extra_s=proxy.connect_delay_s, on_end=self._client_sent_all)
         self.down = _Direction(self, extra_s=0.0, on_end=self.finish)
+        self.up.src = self.down.dst = client
         self.parser = _RequestParser() if proxy.count_requests else None
         self.drop = False  # the current request is answered by the proxy: not forwarded
         self.ignore_client = False  # stalled, or answered and closing: the client's bytes go nowhere
@@ -260,8 +259,7 @@ class _Conn:
         self.closed = True
         self.up.cancel()
         self.down.cancel()
-        if self.client is not None:
-            self.client.close()  # flushes what is buffered, then FIN
+        self.client.close()  # flushes what is buffered, then FIN
         if self.server is not None:
             self.server.close()
         if self.connect_task is not None:
@@ -270,7 +268,7 @@ class _Conn:
 
     def abort(self, *, rst: bool = False) -> None:
         """Drop both connections now (``rst``: make the client see a reset rather than a FIN)."""
-        if rst and self.client is not None:
+        if rst:
             sock = self.client.get_extra_info("socket")
             if sock is not None:
                 with contextlib.suppress(OSError):
@@ -329,7 +327,6 @@ class _Conn:
 
     def connection_fault(self, mode: FaultMode) -> None:
         """``count_requests=False``: a fault applies to the whole connection, before any byte."""
-        assert self.client is not None
         if mode == "reset":
             self.abort(rst=True)
         elif mode == "close":
@@ -358,7 +355,6 @@ class _Conn:
         self.server = transport  # type: ignore[assignment]
         self.up.dst = self.server
         self.down.src = self.server
-        assert self.client is not None
         self.client.resume_reading()  # paused until there was somewhere to send its bytes
 
 
@@ -370,10 +366,7 @@ class _ClientSide(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         proxy = self.proxy
-        conn = self.conn = _Conn(proxy, asyncio.get_running_loop())
-        conn.client = transport
-        conn.up.src = transport
-        conn.down.dst = transport
+        conn = self.conn = _Conn(proxy, transport)
         proxy._conns.add(conn)
         proxy.connections_opened += 1
         if not proxy.count_requests:
