@@ -20,16 +20,17 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch.utils.data
 
+from . import _process
 from ._cache import BlobCache, CacheWriter
 from ._config import FetchOptions, parse_size
 from ._decode import decode, default_loader
-from ._errors import BlobdataError, CacheError, ConfigError
+from ._errors import BlobdataError, CacheError, ConfigError, note_fields
 from ._fetch import FetchEngine
-from ._fs import redact, resolve_storage_options
 from ._listing import load_or_list
 from ._lookahead import PlanChannel, PlanningBatchSampler, Stager
 from ._loop import get_loop, run, submit
 from ._manifest import Manifest
+from ._stores.options import redact, resolve_storage_options
 from ._url import parse_url
 
 __all__ = ["FolderDataset"]
@@ -88,7 +89,7 @@ class _Process:
     """Per-process handles: fetch engine, cache, staging area. Never pickled."""
 
     def __init__(self, ds: FolderDataset) -> None:
-        self.pid = os.getpid()
+        self.pid = _process.pid()
         self.engine = FetchEngine(
             ds.fetch_options, ds._protocol, resolve_storage_options(ds._protocol, ds._storage_options)
         )
@@ -110,7 +111,7 @@ class _Process:
 
 
 def _close_engine(engine: FetchEngine, pid: int) -> None:
-    if os.getpid() == pid:
+    if _process.pid() == pid:
         with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
             submit(engine.aclose())
 
@@ -195,13 +196,12 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             extensions=extensions,
             is_valid_file=is_valid_file,
             allow_empty=allow_empty,
-            concurrency=self.fetch_options.concurrency,
+            fetch_options=self.fetch_options,
         )
         self.classes: list[str] = list(self._manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._channel: PlanChannel | None = None
         self._proc: _Process | None = None
-        self._trace: list[int] | None = None  # when a list, the order loads start in (tests, diagnostics)
 
     # -- ImageFolder compatibility -------------------------------------------------------------
     @property
@@ -273,6 +273,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                     target = self.target_transform(target)
             except BlobdataError as exc:
                 if self.on_error == "raise":
+                    if torch.utils.data.get_worker_info() is not None:
+                        note_fields(exc)  # the DataLoader re-raises it in the main process from its text
                     raise
                 self._report(url, exc)
                 continue
@@ -287,15 +289,13 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
 
     def _process(self) -> _Process:
         proc = self._proc
-        if proc is None or proc.pid != os.getpid():
+        if proc is None or proc.pid != _process.pid():
             proc = self._proc = _Process(self)
         return proc
 
     async def _load(self, i: int) -> bytes:
         """Bytes of sample ``i``: from the cache, else from the bucket (then offered to the cache)."""
         proc = self._process()
-        if self._trace is not None:
-            self._trace.append(i)
         m = self._manifest
         url, identity = m.url(i), m.identity(i)
         if proc.cache is not None:
@@ -409,7 +409,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
     def close(self) -> None:
         """Drop this process's staged data and cache handle (they are recreated on next use)."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.pid == os.getpid():
+        if proc is not None and proc.pid == _process.pid():
             if proc.stager is not None:
                 get_loop().call_soon_threadsafe(proc.stager.clear)
             if proc.writer is not None:

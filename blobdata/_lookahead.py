@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _process
+
 __all__ = ["Plan", "PlanChannel", "PlanningBatchSampler", "Stager"]
 
 
@@ -67,7 +69,7 @@ class Plan:
 
 def _remove_if_owner(path: str, pid: int) -> None:
     # Forked workers inherit the finalizer; only the creating process may remove the directory.
-    if os.getpid() == pid:
+    if _process.pid() == pid:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -89,9 +91,9 @@ class PlanChannel:
     def __init__(self, path: str | None = None) -> None:
         self._owner = path is None
         if path is None:
-            path = tempfile.mkdtemp(prefix=f"blobdata-plan-{os.getpid()}-", dir=_shm_root())
+            path = tempfile.mkdtemp(prefix=f"blobdata-plan-{_process.pid()}-", dir=_shm_root())
             os.chmod(path, 0o700)
-            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, os.getpid())
+            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid())
         self.path = path
         self._seq = 0
         self._cached: Plan | None = None
