@@ -289,7 +289,10 @@ def test_fetch_order_follows_the_sampler(s3_bucket: Any) -> None:
     gen = torch.Generator().manual_seed(1234)
     loader = ds.dataloader(batch_size=8, shuffle=True, generator=gen, num_workers=0)
     seen = sum(len(targets) for _, targets in loader)
-    expected = torch.randperm(len(ds), generator=torch.Generator().manual_seed(1234)).tolist()
+    plain = torch.utils.data.DataLoader(
+        list(range(len(ds))), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1234)
+    )
+    expected = [int(i) for batch in plain for i in batch]  # a plain DataLoader's order, same seed
     # loads start exactly in the shuffled order: the first batch on demand, the rest ahead of it
     assert ds.trace == expected
     assert seen == 80
@@ -324,7 +327,7 @@ def test_staging_area_stays_within_its_bounds(s3_bucket: Any) -> None:
     biggest = int(ds.manifest.sizes.max())
     assert biggest <= 13_000
     list(ds.dataloader(batch_size=4, shuffle=True, num_workers=0))
-    stager = ds._proc.stager  # type: ignore[union-attr]
+    stager = ds._proc.lookahead.stager  # type: ignore[union-attr]
     assert stager is not None
     assert 0 < stager.peak_items <= 10
     assert 0 < stager.peak_bytes <= 5 * 13_000
@@ -341,7 +344,7 @@ def test_look_ahead_ramps_up_over_the_first_batches(s3_bucket: Any) -> None:
         staged = []
         for _ in range(4):
             next(it)
-            stager = ds._proc.stager  # type: ignore[union-attr]
+            stager = ds._proc.lookahead.stager  # type: ignore[union-attr]
             assert stager is not None
             staged.append(len(stager))
         # 2, 4, 8, 16 batches of 4 ahead, less the batch just taken from what was staged
