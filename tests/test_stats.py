@@ -35,7 +35,9 @@ def _run(loader: Any, epochs: int = 1) -> int:
 
 @pytest.mark.network
 @pytest.mark.parametrize(("workers", "method"), [(0, None), (2, "fork"), (2, "spawn")])
-def test_stats_add_up(s3_bucket: Any, s3_proxy: Any, tmp_path: Path, workers: int, method: str | None) -> None:
+def test_stats_add_up(
+    s3_bucket: Any, s3_proxy: Any, tmp_path: Path, workers: int, method: str | None
+) -> None:
     objects = _objects(30)
     s3_bucket.put_many(objects)
     ds = FolderDataset(
