@@ -4,6 +4,7 @@
 
     blobdata warm s3://bucket/train --cache-dir /mnt/nvme/blobdata [--rank R --world-size N]
     blobdata ls s3://bucket/train [--json] [--save-manifest PATH_OR_URL]
+    blobdata bench s3://bucket/train [--workers W --batch-size B --lookahead L --plot P.png --json]
     blobdata cache info --cache-dir D
     blobdata cache clear --cache-dir D --yes
     blobdata demo
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _bench
 from ._config import parse_size
 from ._errors import BlobdataError, ConfigError, ManifestError
 from ._stores.options import redact, resolve_storage_options
@@ -234,6 +236,14 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
         raise final_error(exc, target, store=dest.protocol, what="manifest upload") from exc
 
 
+# -- bench ---------------------------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    opts = parse_storage_options(args.storage_option or [])
+    return _bench.command(args, storage_options=opts, extensions=_extensions(args.extensions))
+
+
 # -- cache ---------------------------------------------------------------------------------------
 
 
@@ -360,6 +370,8 @@ def _parser() -> argparse.ArgumentParser:
     clear.add_argument("--cache-dir", required=True)
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=_cmd_cache_clear)
+
+    _bench.add_parser(sub, [common, listing], _cmd_bench)
 
     sub.add_parser(
         "demo", help="train a small model from a local S3 server (runs blobdata._demo)", add_help=False
