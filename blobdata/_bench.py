@@ -4,7 +4,7 @@ Runs a :class:`~blobdata.FolderDataset` loader for ``batches`` batches (as many 
 and reports the images/s and MB/s it reached, the cost per sample of each stage in the workers (the
 wait for bytes, the cache read, decode, transform, collate), the hit rate, GET latencies and retries,
 then a verdict and what to change. The numbers are the loader's own :meth:`~blobdata.BlobLoader.stats`;
-the timeline (images/s and hit rate every ``interval`` seconds) is what ``--plot`` draws.
+the timeline (images/s and hit rate over windows of a few batches) is what ``--plot`` draws.
 
 Verdicts: ``latency-bound`` (workers wait for the bucket longer than they work: the look-ahead does
 not hide its latency), ``decode-bound`` (decode, transform and collate take most of a sample's time:
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ class BenchResult:
     images: int
     seconds: float
     stats: LoaderStats
-    timeline: list[dict[str, float]]  # {"t", "images_per_s", "hit_rate"} per interval
+    timeline: list[dict[str, float]]  # {"t", "images_per_s", "hit_rate"} per window of batches
     verdict: str
     advice: list[str]
 
@@ -170,13 +171,13 @@ def run_bench(
     transform_name: str = "custom",
     storage_options: dict[str, Any] | None = None,
     dataset_kwargs: dict[str, Any] | None = None,
-    interval: float = 0.25,
+    points: int = 40,
     progress: bool = False,
 ) -> BenchResult:
     """Iterate a loader over ``url`` for ``batches`` batches with these settings; measure it.
 
     ``transform=None`` decodes only and does not collate samples into tensors (PIL images do not
-    stack). ``interval`` (seconds) spaces the timeline's points. ``dataset_kwargs`` go to
+    stack). The timeline has about ``points`` points. ``dataset_kwargs`` go to
     :class:`~blobdata.FolderDataset` (manifest, refresh, fetch_options, extensions).
     """
     from ._dataset import FolderDataset
@@ -200,29 +201,20 @@ def run_bench(
         collate_fn=None if transform is not None else _targets_only,
     )
     bar = _bar(batches, progress)
-    timeline: list[dict[str, float]] = []
     images = done = 0
-    t0 = last_t = time.perf_counter()
-    last = LoaderStats()
+    # Per batch: (seconds, images yielded, samples read from the cache, from the bucket), cumulative.
+    marks: list[tuple[float, int, int, int]] = [(0.0, 0, 0, 0)]
+    t0 = time.perf_counter()
     try:
         while done < batches:
             for batch in loader:
                 images += len(batch) if transform is None else len(batch[-1])
                 done += 1
                 bar.update(1)
-                now = time.perf_counter()
-                if now - last_t >= interval or done == batches:
-                    cur = loader.stats()
-                    reads = (cur.samples_from_cache + cur.samples_from_bucket) - (
-                        last.samples_from_cache + last.samples_from_bucket
-                    )
-                    hits = cur.samples_from_cache - last.samples_from_cache
-                    timeline.append({
-                        "t": now - t0,
-                        "images_per_s": (cur.samples - last.samples) / (now - last_t),
-                        "hit_rate": hits / reads if reads else 0.0,
-                    })  # fmt: skip
-                    last, last_t = cur, now
+                cur = loader.stats()
+                marks.append(
+                    (time.perf_counter() - t0, images, cur.samples_from_cache, cur.samples_from_bucket)
+                )
                 if done >= batches:
                     break
         seconds = time.perf_counter() - t0
@@ -236,7 +228,31 @@ def run_bench(
         "url": url, "batches": batches, "batch_size": batch_size, "workers": workers,
         "cache_dir": cache_dir, "lookahead": lookahead, "transform": transform_name, "cores": cores(),
     }  # fmt: skip
-    return BenchResult(settings, images, seconds, stats, timeline, verdict, advice)
+    return BenchResult(settings, images, seconds, stats, _timeline(marks, points), verdict, advice)
+
+
+def _timeline(marks: list[tuple[float, int, int, int]], points: int) -> list[dict[str, float]]:
+    """Images/s and hit rate over about ``points`` windows of equal time (batches arrive in bursts:
+    a rate per batch would be noise)."""
+    total = marks[-1][0]
+    width = total / max(1, min(points, len(marks) - 1))
+    ends = [marks[0]]
+    for cur in marks[1:]:
+        if cur[0] - ends[-1][0] >= width:
+            ends.append(cur)
+    if ends[-1] is not marks[-1]:  # the tail: its own window, or folded into the last one if short
+        if len(ends) > 1 and marks[-1][0] - ends[-1][0] < width / 2:
+            ends[-1] = marks[-1]
+        else:
+            ends.append(marks[-1])
+    out: list[dict[str, float]] = []
+    hit_rate = 0.0
+    for (t0, n0, c0, b0), (t1, n1, c1, b1) in itertools.pairwise(ends):
+        reads = (c1 + b1) - (c0 + b0)
+        if reads:
+            hit_rate = (c1 - c0) / reads  # else the last one holds: nothing was read in this window
+        out.append({"t": t1, "images_per_s": (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0, "hit_rate": hit_rate})
+    return out
 
 
 def _targets_only(batch: list[tuple[Any, int]]) -> list[int]:
