@@ -336,9 +336,9 @@ class TimedIter:
     ) -> None:
         self._clock = clock
         self._dir = directory
-        self._log = log_epoch
+        self._log = log_epoch and log.isEnabledFor(logging.INFO)
         self._t0 = time.perf_counter()
-        self._start = (collect(directory), clock.wait_s, clock.batches, clock.elapsed_s)
+        self._start = (collect(directory) if self._log else None, clock.wait_s, clock.batches)
         self._it = make()  # worker start-up is waiting too
         self._mark = self._t0
         clock.wait_s += time.perf_counter() - self._t0
@@ -377,8 +377,8 @@ class TimedIter:
         if self._done:
             return
         self._done = True
-        if self._log and log.isEnabledFor(logging.INFO):
-            totals, wait0, batches0, _ = self._start
+        totals, wait0, batches0 = self._start
+        if totals is not None:
             epoch = LoaderStats.from_totals(
                 collect(self._dir) - totals,
                 loop_wait_s=self._clock.wait_s - wait0,
