@@ -320,7 +320,6 @@ def add_parser(
     )  # fmt: skip
     b.add_argument("--plot", metavar="PATH.png", help="write throughput and hit rate over time (matplotlib)")
     b.add_argument("--json", action="store_true", help="print JSON")
-    b.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     b.set_defaults(func=func)
 
 

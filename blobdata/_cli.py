@@ -113,6 +113,7 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
         is_valid_file=None,
         allow_empty=False,
         concurrency=args.concurrency,
+        progress=False if args.quiet else None,
     )
 
 
@@ -146,7 +147,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         manifest=manifest,
         buffer_size=args.buffer_size,
-        progress=not args.no_progress,
+        progress=not (args.no_progress or args.quiet),
         dry_run=args.dry_run,
     )
     if args.dry_run:
@@ -241,6 +242,10 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     opts = parse_storage_options(args.storage_option or [])
+    if not args.manifest:  # list here, with a bar unless --quiet; the dataset finds it remembered
+        url = parse_url(args.url)
+        _manifest_for(args, str(url), resolve_storage_options(url.protocol, opts))
+        args.refresh = False
     return _bench.command(args, storage_options=opts, extensions=_extensions(args.extensions))
 
 
@@ -322,6 +327,9 @@ def _parser() -> argparse.ArgumentParser:
         help="fsspec storage option (repeatable; dotted keys nest: client_kwargs.region_name=eu-west-1)",
     )  # fmt: skip
     listing.add_argument("--concurrency", type=int, default=64, help="requests in flight (default 64)")
+    listing.add_argument(
+        "--quiet", "-q", action="store_true", help="no progress bars (shown only on a terminal anyway)"
+    )
 
     parser = argparse.ArgumentParser(
         prog="blobdata", description="Train PyTorch models straight from a bucket folder.", parents=[common]

@@ -182,3 +182,32 @@ def test_persistent_workers_accumulate(tmp_path: Path) -> None:
     other = ds.dataloader(batch_size=3, num_workers=0)
     assert _run(other) == 12
     assert other.stats().samples == 12 and loader.stats().samples == 36
+
+
+@pytest.mark.network
+def test_progress_for_listing_and_manifest_download(
+    s3_bucket: Any, s3_proxy: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from blobdata._listing import list_folder
+    from blobdata._manifest import Manifest
+
+    s3_bucket.put_many(_objects(9))
+    s3_proxy.delay = 0.3  # one way: each request takes 0.6 s, past the bars' 0.5 s delay
+    opts = s3_proxy.storage_options
+    m = list_folder(s3_bucket.url("d"), storage_options=opts, progress=True)
+    err = capsys.readouterr().err
+    assert (
+        f"listing {s3_bucket.url('d')}" in err and "/3 [" in err and "prefix/s" in err and " objects]" in err
+    )
+    s3_proxy.delay = 0.0
+    list_folder(s3_bucket.url("d"), storage_options=opts)  # not a terminal: quiet
+    assert capsys.readouterr().err == ""
+    s3_bucket.put("m/train.manifest", m.to_bytes())
+    s3_proxy.delay = 0.3
+    got = Manifest.load(s3_bucket.url("m/train.manifest"), storage_options=opts, progress=True)
+    assert len(got) == 9
+    err = capsys.readouterr().err
+    assert f"manifest {s3_bucket.url('m/train.manifest')}" in err and "B" in err
+    s3_proxy.delay = 0.0
+    Manifest.load(s3_bucket.url("m/train.manifest"), storage_options=opts)
+    assert capsys.readouterr().err == ""
