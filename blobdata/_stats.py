@@ -75,8 +75,7 @@ class _Record:
 
     def __init__(self) -> None:
         self.v = _fresh()
-        self.directory: str | None = None
-        self.keep: list[Any] = []  # mappings in use by this process (a view may still point into one)
+        self.directory: str | None = None  # the view keeps its mapping alive; unmapped once unused
 
 
 _rec = _Record()
@@ -116,7 +115,6 @@ def attach(directory: str) -> None:
         return
     v = cast(Slots, memoryview(mm).cast("d"))
     v[0], v[1] = _MAGIC, float(SIZE)
-    r.keep.append(mm)
     r.v, r.directory = v, directory
 
 
