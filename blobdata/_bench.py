@@ -108,6 +108,10 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+#: Workers waiting for bytes more than this share of their time: the look-ahead does not hide the latency.
+HIDDEN = 0.2
+
+
 def advise(
     s: LoaderStats, *, workers: int, lookahead: int, cache_dir: str | None, ncores: int
 ) -> tuple[str, list[str]]:
@@ -120,8 +124,8 @@ def advise(
     advice: list[str] = []
     if busy <= 0:
         return "unknown", ["no sample was served: nothing to judge"]
-    if wait > work:
-        verdict = "latency-bound"
+    verdict = "latency-bound" if wait > work else "decode-bound"
+    if wait > HIDDEN * busy:  # the workers sit idle waiting for bytes a good part of the time
         hint = f"GET p50 {s.get_p50_s * 1e3:.0f} ms"
         if lookahead < 4 * max(s.samples // max(s.batches, 1), 1):
             advice.append(
@@ -134,18 +138,13 @@ def advise(
                 f"{wait * 1e3:.2f} ms wait per sample): raise concurrency, lookahead or lookahead_bytes, "
                 "or warm a cache with `blobdata warm`"
             )
-        if workers < ncores:
-            advice.append(
-                f"more workers would help: each adds about {1 / busy:.0f} img/s at this wait ({ncores} cores)"
-            )
-    else:
-        verdict = "decode-bound"
+    if workers < ncores or (verdict == "latency-bound" and workers < 4 * ncores):
+        advice.append(
+            f"more workers would help: {procs} give at most {procs / busy:.0f} img/s at these costs, "
+            f"{ncores} cores about {ncores / work:.0f} img/s once the wait is hidden"
+        )
+    if verdict == "decode-bound":
         top = max(("decode", "transform", "collate"), key=lambda k: cost[k])
-        if workers < ncores:
-            advice.append(
-                f"more workers would help: {procs} give at most {procs / busy:.0f} img/s, "
-                f"{ncores} cores about {ncores / work:.0f} img/s"
-            )
         advice.append(
             f"{top} is the limit: {ncores} cores give at most {ncores / work:.0f} img/s "
             f"({work * 1e3:.2f} ms of CPU per sample); try the GPU path (decode on the GPU) or a "
