@@ -383,4 +383,4 @@ class TimedIter:
                 loop_batches=self._clock.batches - batches0,
                 elapsed_s=now - self._t0,
             )
-            log.info("blobdata: epoch: %s", epoch.summary())
+            log.info("epoch: %s", epoch.summary())
