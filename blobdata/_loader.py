@@ -16,10 +16,9 @@ from typing import Any
 
 import torch.utils.data
 
-from . import _stats
 from ._errors import ConfigError
 from ._lookahead import PlanChannel, PlanningBatchSampler
-from ._stats import LoaderStats, LoopClock, TimedCollate, TimedIter
+from ._stats import LoaderStats, LoopClock, Records, TimedCollate, TimedIter
 
 __all__ = ["BlobLoader"]
 
@@ -104,17 +103,18 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         object.__setattr__(self, "drop_last", drop_last)
         self.user_worker_init_fn = worker_init_fn
         self._clock = LoopClock()
+        self._records = Records(self.channel.path)
 
     def __iter__(self) -> Any:
         """DataLoader's iterator, timed: the seconds the loop waits for batches count in :meth:`stats`,
         and each epoch's end logs a summary on the ``blobdata`` logger (INFO)."""
-        return TimedIter(super().__iter__, self._clock, self.channel.path)
+        return TimedIter(super().__iter__, self._clock, self._records)
 
     def stats(self) -> LoaderStats:
         """What this loader did so far, summed over the training process and its workers (a
         :class:`~blobdata.LoaderStats`; ``.as_dict()`` for a metrics logger)."""
         c = self._clock
-        totals = _stats.collect(self.channel.path)
+        totals = self._records.total()
         return LoaderStats.from_totals(
             totals, loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s
         )

@@ -33,7 +33,7 @@ import numpy as np
 from . import _process
 
 __all__ = [
-    "LoaderStats", "LoopClock", "Slots", "TimedCollate", "TimedIter", "attach", "collect", "rec", "stages",
+    "LoaderStats", "LoopClock", "Slots", "TimedCollate", "TimedIter", "Records", "attach", "rec", "stages",
     "verdict",
 ]  # fmt: skip
 
@@ -118,27 +118,58 @@ def attach(directory: str) -> None:
     r.v, r.directory = v, directory
 
 
-def collect(directory: str) -> np.ndarray:
-    """The sum of every valid record in ``directory`` (zeros if there is none)."""
-    total = np.zeros(SIZE, dtype=np.float64)
+def _alive(pid: int) -> bool:
     try:
-        names = os.listdir(directory)
-    except OSError:
-        return total
-    for name in names:
-        if not (name.startswith("stats-") and name.endswith(".bin")):
-            continue
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+class Records:
+    """The records in one loader's directory, summed on demand (in the process that made the loader).
+
+    A record of a process that has exited is folded into a running sum and its file removed, so that
+    non-persistent workers (new processes each epoch) do not pile up files over a long run.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._retired = np.zeros(SIZE, dtype=np.float64)
+
+    def total(self) -> np.ndarray:
+        """The sum of every valid record, those of exited processes included."""
+        total: np.ndarray = self._retired.copy()
         try:
-            with open(os.path.join(directory, name), "rb") as fh:
-                data = fh.read(SIZE * 8 + 1)
+            names = os.listdir(self.directory)
         except OSError:
-            continue
-        if len(data) != SIZE * 8:
-            continue
-        arr = np.frombuffer(data, dtype=np.float64)
-        if arr[0] == _MAGIC and arr[1] == SIZE:
+            return total
+        for name in names:
+            parts = name.split("-")
+            if not (name.endswith(".bin") and len(parts) == 3 and parts[0] == "stats" and parts[1].isdigit()):
+                continue
+            path = os.path.join(self.directory, name)
+            try:
+                with open(path, "rb") as fh:
+                    data = fh.read(SIZE * 8 + 1)
+            except OSError:
+                continue
+            if len(data) != SIZE * 8:
+                continue
+            arr = np.frombuffer(data, dtype=np.float64)
+            if arr[0] != _MAGIC or arr[1] != SIZE:
+                continue
             total[2:] += arr[2:]
-    return total
+            pid = int(parts[1])
+            if pid != _process.pid() and not _alive(pid):  # it writes no more: fold it in
+                try:
+                    os.unlink(path)
+                except OSError:
+                    continue
+                self._retired[2:] += arr[2:]
+        return total
 
 
 # -- hooks called on the data path -------------------------------------------------------------------
@@ -227,7 +258,7 @@ class LoaderStats:
     def from_totals(
         cls, t: np.ndarray, *, loop_wait_s: float, loop_batches: int, elapsed_s: float
     ) -> LoaderStats:
-        """Build a snapshot from a record sum (:func:`collect`, or a difference of two)."""
+        """Build a snapshot from a record sum (:meth:`Records.total`, or a difference of two)."""
         served = int(t[SERVED])
         reads = t[FROM_CACHE] + t[FROM_BUCKET]
         per = 1.0 / served if served else 0.0
@@ -330,13 +361,13 @@ class TimedIter:
     """
 
     def __init__(
-        self, make: Callable[[], Iterator[Any]], clock: LoopClock, directory: str, log_epoch: bool = True
+        self, make: Callable[[], Iterator[Any]], clock: LoopClock, records: Records, log_epoch: bool = True
     ) -> None:
         self._clock = clock
-        self._dir = directory
+        self._records = records
         self._log = log_epoch and log.isEnabledFor(logging.INFO)
         self._t0 = time.perf_counter()
-        self._start = (collect(directory) if self._log else None, clock.wait_s, clock.batches)
+        self._start = (records.total() if self._log else None, clock.wait_s, clock.batches)
         self._it = make()  # worker start-up is waiting too
         self._mark = self._t0
         clock.wait_s += time.perf_counter() - self._t0
@@ -349,7 +380,7 @@ class TimedIter:
         return len(self._it)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_it", "_clock"):
+        if name.startswith("__") or name in ("_it", "_clock", "_records"):
             raise AttributeError(name)
         return getattr(self._it, name)
 
@@ -378,7 +409,7 @@ class TimedIter:
         totals, wait0, batches0 = self._start
         if totals is not None:
             epoch = LoaderStats.from_totals(
-                collect(self._dir) - totals,
+                self._records.total() - totals,
                 loop_wait_s=self._clock.wait_s - wait0,
                 loop_batches=self._clock.batches - batches0,
                 elapsed_s=now - self._t0,

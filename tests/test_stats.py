@@ -211,3 +211,33 @@ def test_progress_for_listing_and_manifest_download(
     s3_proxy.delay = 0.0
     Manifest.load(s3_bucket.url("m/train.manifest"), storage_options=opts)
     assert capsys.readouterr().err == ""
+
+
+def test_records_of_exited_workers_are_folded(tmp_path: Path) -> None:
+    import os
+
+    from blobdata._stats import TimedCollate
+
+    for key, data in _objects(12).items():
+        (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / key).write_bytes(data)
+    ds = FolderDataset(tmp_path / "d", loader=_sum_loader)
+    loader = ds.dataloader(batch_size=3, num_workers=2)  # new worker processes every epoch
+    for epoch in range(1, 5):
+        assert _run(loader) == 12
+        deadline = time.monotonic() + 10  # the epoch's workers exit shortly after its end
+        while time.monotonic() < deadline and loader.stats().samples and _records(loader) > 1:
+            time.sleep(0.05)
+        assert loader.stats().samples == 12 * epoch
+        assert _records(loader) <= 3  # the training process's own, at most two workers not yet gone
+    assert loader.stats().samples_from_bucket == 48 and loader.stats().batches == 16
+    # Rebuilt from its own attributes (as Lightning does), the loader does not time collate twice.
+    again = type(loader)(ds, batch_size=3, collate_fn=loader.collate_fn)
+    assert isinstance(again.collate_fn, TimedCollate) and not isinstance(again.collate_fn.fn, TimedCollate)
+    assert os.path.isdir(loader.channel.path)
+
+
+def _records(loader: Any) -> int:
+    import os
+
+    return sum(n.startswith("stats-") for n in os.listdir(loader.channel.path))
