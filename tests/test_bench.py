@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -119,3 +120,14 @@ def test_verdict_latency_bound(s3_bucket: Any, s3_proxy: Any) -> None:
     ms = r.per_sample_ms()
     assert ms["fetch"] > 5 * ms["decode"]
     assert r.stats.get_p50_s > 0.06  # at least the RTT the proxy adds (80 ms, less a bucket's width)
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from blobdata import ConfigError, LoaderStats
+    from blobdata._bench import BenchResult, plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    result = BenchResult({"url": "x"}, 0, 0.0, LoaderStats(), [], "unknown", [])
+    with pytest.raises(ConfigError, match=r"blobdata\[plot\]"):
+        plot(result, str(tmp_path / "p.png"))
+    assert not (tmp_path / "p.png").exists()
