@@ -22,6 +22,7 @@ from ._errors import (
     Throttled,
 )
 from ._manifest import Manifest
+from ._stats import LoaderStats
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ __all__ = [
     "FetchOptions",
     "FetchTimeout",
     "FolderDataset",
+    "LoaderStats",
     "Manifest",
     "ManifestError",
     "NotFound",

@@ -4,6 +4,7 @@
 
     blobdata warm s3://bucket/train --cache-dir /mnt/nvme/blobdata [--rank R --world-size N]
     blobdata ls s3://bucket/train [--json] [--save-manifest PATH_OR_URL]
+    blobdata bench s3://bucket/train [--workers W --batch-size B --lookahead L --plot P.png --json]
     blobdata cache info --cache-dir D
     blobdata cache clear --cache-dir D --yes
     blobdata demo
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _bench
 from ._config import parse_size
 from ._errors import BlobdataError, ConfigError, ManifestError
 from ._stores.options import redact, resolve_storage_options
@@ -111,6 +113,7 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
         is_valid_file=None,
         allow_empty=False,
         concurrency=args.concurrency,
+        progress=False if args.quiet else None,
     )
 
 
@@ -144,7 +147,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         world_size=args.world_size,
         manifest=manifest,
         buffer_size=args.buffer_size,
-        progress=not args.no_progress,
+        progress=not (args.no_progress or args.quiet),
         dry_run=args.dry_run,
     )
     if args.dry_run:
@@ -234,6 +237,18 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
         raise final_error(exc, target, store=dest.protocol, what="manifest upload") from exc
 
 
+# -- bench ---------------------------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    opts = parse_storage_options(args.storage_option or [])
+    if not args.manifest:  # list here, with a bar unless --quiet; the dataset finds it remembered
+        url = parse_url(args.url)
+        _manifest_for(args, str(url), resolve_storage_options(url.protocol, opts))
+        args.refresh = False
+    return _bench.command(args, storage_options=opts, extensions=_extensions(args.extensions))
+
+
 # -- cache ---------------------------------------------------------------------------------------
 
 
@@ -312,6 +327,9 @@ def _parser() -> argparse.ArgumentParser:
         help="fsspec storage option (repeatable; dotted keys nest: client_kwargs.region_name=eu-west-1)",
     )  # fmt: skip
     listing.add_argument("--concurrency", type=int, default=64, help="requests in flight (default 64)")
+    listing.add_argument(
+        "--quiet", "-q", action="store_true", help="no progress bars (shown only on a terminal anyway)"
+    )
 
     parser = argparse.ArgumentParser(
         prog="blobdata", description="Train PyTorch models straight from a bucket folder.", parents=[common]
@@ -360,6 +378,8 @@ def _parser() -> argparse.ArgumentParser:
     clear.add_argument("--cache-dir", required=True)
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=_cmd_cache_clear)
+
+    _bench.add_parser(sub, [common, listing], _cmd_bench)
 
     sub.add_parser(
         "demo", help="train a small model from a local S3 server (runs blobdata._demo)", add_help=False

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
@@ -20,7 +21,7 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch.utils.data
 
-from . import _process
+from . import _process, _stats
 from ._cache import BlobCache, CacheWriter
 from ._config import FetchOptions, parse_size
 from ._decode import decode, default_loader
@@ -256,7 +257,12 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Fetch all samples of a batch at once (misses requested concurrently), then decode them."""
         idx = [int(i) for i in indices]
+        clock = time.perf_counter
+        t = clock()
         datas = run(self._gather(idx))
+        v = _stats.rec()
+        v[_stats.FETCH_WAIT_S] += clock() - t
+        decoding = transforming = 0.0
         out: list[Any] = []
         m = self._manifest
         for i, data in zip(idx, datas, strict=True):
@@ -264,9 +270,15 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             try:
                 if isinstance(data, BaseException):
                     raise data
+                t = clock()
                 sample = decode(data, url, self.loader)
                 if self.transform is not None:
+                    t2 = clock()
+                    decoding += t2 - t
                     sample = self.transform(sample)
+                    transforming += clock() - t2
+                else:
+                    decoding += clock() - t
                 target: Any = int(m.targets[i])
                 if self.target_transform is not None:
                     target = self.target_transform(target)
@@ -278,10 +290,15 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                 self._report(url, exc)
                 continue
             out.append((sample, target))
+        v[_stats.DECODE_S] += decoding
+        v[_stats.TRANSFORM_S] += transforming
+        v[_stats.SERVED] += len(out)
+        v[_stats.BATCHES] += 1
         return out
 
     def _report(self, url: str, exc: BlobdataError) -> None:
         self.errors.append((url, exc))
+        _stats.rec()[_stats.ERRORS] += 1
         log.warning("blobdata: skipped bad sample %s: %s", url, exc)
         if callable(self.on_error):
             self.on_error(url, exc)
@@ -297,13 +314,19 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         proc = self._process()
         m = self._manifest
         url, identity = m.url(i), m.identity(i)
+        v = _stats.rec()
         if proc.cache is not None:
             # Inline on the loop thread: a hit is one index read and one file read (~50 us), less
             # than a hop to an executor thread costs.
+            t = time.perf_counter()
             data = proc.cache.get(url, identity)
+            v[_stats.CACHE_S] += time.perf_counter() - t
             if data is not None:
+                v[_stats.FROM_CACHE] += 1
+                v[_stats.BYTES_CACHE] += len(data)
                 return data
         data, _ = await proc.engine.fetch(url, size=m.size(i), identity=identity)
+        v[_stats.FROM_BUCKET] += 1
         if proc.writer is not None:
             proc.writer.offer(url, identity, data)  # never waits: written in batches off this path
         return data
@@ -324,9 +347,12 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         proc = self._process()
         ahead = proc.lookahead
         tasks: list[asyncio.Future[bytes]] = []
+        staged_n = 0
         for i in indices:
             staged = ahead.take(i) if ahead is not None else None
+            staged_n += staged is not None
             tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
+        _stats.rec()[_stats.STAGED] += staged_n
         # After this batch's own requests, so that the order requests start in is the sampler's.
         channel = self._channel
         ahead = self._lookahead(proc) if channel is not None else None
@@ -352,6 +378,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
     def _attach(self, channel: PlanChannel) -> None:
         """Read the plans of the loader that owns ``channel`` (the latest loader made, in this process)."""
         self._channel = channel
+        _stats.attach(channel.path)  # this process's counters go to the loader's stats from now on
 
     def close(self) -> None:
         """Drop this process's staged data and cache handle (they are recreated on next use)."""

@@ -17,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from . import _loop, _process
+from . import _loop, _process, _stats
 from ._config import FetchOptions
 from ._errors import AccessDenied, BlobdataError, ConfigError, NotFound, ObjectChanged, TransientError
 from ._retry import with_retries
@@ -142,9 +143,11 @@ class FetchEngine:
         async def once() -> ReadResult:
             async with st.semaphore:
                 counts["requests"] += 1
+                t = time.perf_counter()
                 res = await st.reader.read(
                     bucket, key, start=start, end=end, expect_identity=identity, timeout=self.options.timeout
                 )
+                _stats.note_get(time.perf_counter() - t, len(res.body))
             if want is not None and len(res.body) != want:
                 same = res.total == size or (identity is not None and res.identity == identity)
                 if len(res.body) < want and same:
@@ -159,6 +162,8 @@ class FetchEngine:
         def note(exc: TransientError, will_retry: bool) -> None:
             self._errors[exc.kind] += 1
             counts["retries"] += will_retry
+            if will_retry:
+                _stats.note_retry(exc.kind)
 
         try:
             res = await with_retries(once, url=url, options=self.options, on_error=note)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from . import _progress
 from ._config import FetchOptions
 from ._errors import (
     BlobdataError,
@@ -110,17 +111,19 @@ def _check_nonempty(manifest: Manifest, extensions: tuple[str, ...] | None) -> N
 
 
 async def _list(
-    url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions
+    url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions, progress: bool | None = None
 ) -> tuple[list[str], list[list[Entry]]]:
     """(sorted class names, the raw objects below each, then those below an empty-named folder if any)."""
     lister = lister_for(url, storage_options, options)
     try:
-        return await list_with(lister, url, options.concurrency)
+        return await list_with(lister, url, options.concurrency, progress)
     finally:
         await lister.aclose()
 
 
-async def list_with(lister: Lister, url: BlobURL, concurrency: int) -> tuple[list[str], list[list[Entry]]]:
+async def list_with(
+    lister: Lister, url: BlobURL, concurrency: int, progress: bool | None = False
+) -> tuple[list[str], list[list[Entry]]]:
     root = str(url)
     names, anything = await lister.folders()
     if not anything:
@@ -131,12 +134,20 @@ async def list_with(lister: Lister, url: BlobURL, concurrency: int) -> tuple[lis
         raise EmptyDatasetError(f"Couldn't find any class folder in {root}.", url=root)
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(folder: str) -> list[Entry]:
-        async with sem:
-            return await lister.below(folder)
-
     # "" is the folder of keys such as root//x.jpg: listed only to report them as skipped.
     folders = classes + ([""] if "" in names else [])
+    bar = _progress.bar(desc=f"listing {root}", total=len(folders), unit="prefix", progress=progress)
+    listed = 0
+
+    async def one(folder: str) -> list[Entry]:
+        nonlocal listed
+        async with sem:
+            found = await lister.below(folder)
+        listed += len(found)
+        bar.set_postfix_str(f"{listed} objects", refresh=False)
+        bar.update(1)
+        return found
+
     tasks = [asyncio.ensure_future(one(f)) for f in folders]
     try:
         results = await asyncio.gather(*tasks)
@@ -144,6 +155,8 @@ async def list_with(lister: Lister, url: BlobURL, concurrency: int) -> tuple[lis
         for t in tasks:
             t.cancel()
         raise
+    finally:
+        bar.close()
     return classes, list(results)
 
 
@@ -156,15 +169,17 @@ def list_folder(
     allow_empty: bool = False,
     concurrency: int | None = None,
     fetch_options: FetchOptions | None = None,
+    progress: bool | None = None,
 ) -> Manifest:
     """List ``url`` (a folder with one sub-folder per class) into a Manifest, ImageFolder order.
 
     ``extensions`` defaults to :data:`IMG_EXTENSIONS` (case-insensitive); ``is_valid_file``
     receives each object's URL and excludes ``extensions``. ``fetch_options`` (default
     ``FetchOptions()``) bound every listing request: its timeout, its attempts, and its concurrency
-    (class prefixes listed at once), which ``concurrency`` overrides. Raises EmptyDatasetError (a
-    FileNotFoundError) when there is no
-    class folder or, unless ``allow_empty``, a class has no valid file; NotFound, AccessDenied,
+    (class prefixes listed at once), which ``concurrency`` overrides. ``progress``: a bar of prefixes
+    and objects listed on stderr (None: when it is a terminal; see :mod:`blobdata._progress`).
+    Raises EmptyDatasetError (a FileNotFoundError) when there is no class folder or, unless
+    ``allow_empty``, a class has no valid file; NotFound, AccessDenied,
     FetchError for a missing bucket/prefix, refused credentials or an unreachable endpoint.
     """
     parsed = parse_url(url)
@@ -175,7 +190,7 @@ def list_folder(
     listed_at = time.time()
     t0 = time.monotonic()
     try:
-        classes, results = run(_list(parsed, opts, options))
+        classes, results = run(_list(parsed, opts, options, progress))
     except BlobdataError:
         raise
     except Exception as exc:
@@ -234,6 +249,7 @@ def load_or_list(
     concurrency: int | None = None,
     fetch_options: FetchOptions | None = None,
     save: bool = True,
+    progress: bool | None = None,
 ) -> Manifest:
     """The remembered listing of ``url``.
 
@@ -241,7 +257,8 @@ def load_or_list(
     and send no listing request. Otherwise return the manifest remembered under
     :func:`~blobdata._manifest.manifest_path` when it is there and valid (no request to the store),
     else list and remember it (``save``). ``refresh=True`` always lists again. ``memory://``
-    listings are never remembered (that store lives and dies with the process).
+    listings are never remembered (that store lives and dies with the process). ``progress``: bars
+    for a listing or a manifest download (None: when stderr is a terminal).
     """
     parsed = parse_url(url)
     root = str(parsed)
@@ -251,7 +268,7 @@ def load_or_list(
         source = os.fspath(manifest)
         m_proto = parse_url(source).protocol if "://" in source else "file"
         m_opts = opts if m_proto == parsed.protocol else None
-        loaded = Manifest.load(source, storage_options=m_opts, expect_root=root)
+        loaded = Manifest.load(source, storage_options=m_opts, expect_root=root, progress=progress)
         if not allow_empty:
             _check_nonempty(loaded, exts)
         return loaded
@@ -275,6 +292,7 @@ def load_or_list(
         allow_empty=allow_empty,
         concurrency=concurrency,
         fetch_options=fetch_options,
+        progress=progress,
     )
     if remember:
         try:

@@ -18,6 +18,7 @@ import torch.utils.data
 
 from ._errors import ConfigError
 from ._lookahead import PlanChannel, PlanningBatchSampler
+from ._stats import LoaderStats, LoopClock, Records, TimedCollate, TimedIter
 
 __all__ = ["BlobLoader"]
 
@@ -84,7 +85,7 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
             dataset,
             batch_sampler=PlanningBatchSampler(batches, self.channel),
             num_workers=num_workers,
-            collate_fn=collate_fn,
+            collate_fn=TimedCollate(collate_fn or torch.utils.data.default_collate),
             pin_memory=pin_memory,
             timeout=timeout,
             worker_init_fn=_WorkerInit(self.channel, worker_init_fn),
@@ -101,6 +102,22 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         object.__setattr__(self, "sampler", sampler)
         object.__setattr__(self, "drop_last", drop_last)
         self.user_worker_init_fn = worker_init_fn
+        self._clock = LoopClock()
+        self._records = Records(self.channel.path)
+
+    def __iter__(self) -> Any:
+        """DataLoader's iterator, timed: the seconds the loop waits for batches count in :meth:`stats`,
+        and each epoch's end logs a summary on the ``blobdata`` logger (INFO)."""
+        return TimedIter(super().__iter__, self._clock, self._records)
+
+    def stats(self) -> LoaderStats:
+        """What this loader did so far, summed over the training process and its workers (a
+        :class:`~blobdata.LoaderStats`; ``.as_dict()`` for a metrics logger)."""
+        c = self._clock
+        totals = self._records.total()
+        return LoaderStats.from_totals(
+            totals, loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s
+        )
 
 
 class _WorkerInit:

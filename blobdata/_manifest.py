@@ -416,14 +416,15 @@ class Manifest:
         *,
         storage_options: Mapping[str, Any] | None = None,
         expect_root: str | None = None,
+        progress: bool | None = None,
     ) -> Manifest:
-        """Read a manifest from a local path or a URL (s3://, gs://, az://, memory://).
+        """Read a manifest from a local path or a URL (s3://, gs://, az://, memory://; with a bar).
 
         ``expect_root``: the canonical root URL the manifest must be for (ManifestError otherwise).
         A missing file raises NotFound (or the error class of the store).
         """
         source = os.fspath(path_or_url)
-        data = _read(source, storage_options)
+        data = _read(source, storage_options, progress)
         manifest = cls.from_bytes(data, source=source)
         if expect_root is not None and manifest.root != expect_root:
             raise ManifestError(
@@ -434,7 +435,7 @@ class Manifest:
         return manifest
 
 
-def _read(source: str, storage_options: Mapping[str, Any] | None) -> bytes:
+def _read(source: str, storage_options: Mapping[str, Any] | None, progress: bool | None = None) -> bytes:
     if "://" not in source or source.startswith("file://"):
         path = source[len("file://") :] if source.startswith("file://") else source
         try:
@@ -446,6 +447,7 @@ def _read(source: str, storage_options: Mapping[str, Any] | None) -> bytes:
                 f"manifest {source} cannot be read: {exc.strerror or exc}", url=source
             ) from exc
     # Late: fsspec and the store clients are not needed to read a local manifest.
+    from . import _progress
     from ._loop import run
     from ._retry import final_error
     from ._stores.fsspec import get_fs
@@ -460,7 +462,8 @@ def _read(source: str, storage_options: Mapping[str, Any] | None) -> bytes:
         return bytes(fs.cat_file(url.fs_path))
 
     try:
-        return run(fetch())
+        show = _progress.enabled(progress) and url.protocol != "memory"
+        return _progress.download(fs, url.fs_path, f"manifest {source}", progress) if show else run(fetch())
     except Exception as exc:
         raise final_error(exc, source, store=url.protocol, what="manifest") from exc
 

@@ -19,6 +19,7 @@ def test_all_is_sorted_and_exact() -> None:
         "FetchOptions",
         "FetchTimeout",
         "FolderDataset",
+        "LoaderStats",
         "Manifest",
         "ManifestError",
         "NotFound",
