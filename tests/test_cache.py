@@ -33,11 +33,11 @@ from blobdata._cache import (
     CacheStats,
     CacheWriter,
     Policy,
-    _BytesDisk,
-    _Refused,
 )
+from blobdata._cache.packs import aligned, parse_slice, punch, punch_supported
+from blobdata._cache.values import BytesDisk as _BytesDisk
+from blobdata._cache.values import Refused as _Refused
 from blobdata._errors import CacheError, ConfigError
-from blobdata._pack import aligned, parse_slice, punch, punch_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = 100_000  # stored as a value file
@@ -96,7 +96,7 @@ EXTENT_SLACK = 64 * 1024
 def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with values in pack files (the default) and in one file per value (the fallback)."""
     if request.param == "files":
-        monkeypatch.setattr("blobdata._cache.punch_supported", lambda directory: False)
+        monkeypatch.setattr("blobdata._cache.cache.punch_supported", lambda directory: False)
     elif not punch_supported(tempfile.gettempdir()):
         pytest.skip("the temp filesystem cannot punch holes: packs are not used on it")
     return str(request.param)
@@ -320,7 +320,7 @@ def test_lru_evicts_the_least_recently_used(tmp_path: Path, store: str) -> None:
 def test_orphans_are_swept_after_the_grace_period_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("blobdata._cache.punch_supported", lambda directory: False)  # value files
+    monkeypatch.setattr("blobdata._cache.cache.punch_supported", lambda directory: False)  # value files
     with BlobCache(tmp_path, size_limit="10MB") as cache:
         assert cache.put("s3://b/kept", "e", value(1, BIG))
     sub = tmp_path / "ab"
@@ -902,7 +902,7 @@ def test_cache_writer_lingers_to_commit_offers_in_batches(tmp_path: Path) -> Non
 def test_packs_roll_over_and_dead_packs_go_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not punch_supported(str(tmp_path)):
         pytest.skip("the temp filesystem cannot punch holes: packs are not used on it")
-    monkeypatch.setattr("blobdata._pack.PACK_BYTES", 3 * aligned(BIG))  # a new pack every 3 values
+    monkeypatch.setattr("blobdata._cache.packs.PACK_BYTES", 3 * aligned(BIG))  # a new pack every 3 values
     with BlobCache(tmp_path, size_limit="10MB", orphan_grace=0) as cache:
         for i in range(10):
             assert cache.put(f"s3://b/{i}", "e", value(i, BIG))

@@ -36,6 +36,8 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from .. import _process
+
 __all__ = [
     "ALIGN", "PACK_BYTES", "PACK_DIR", "PackStore", "aligned", "parse_slice", "punch", "punch_supported",
 ]  # fmt: skip
@@ -125,13 +127,13 @@ class PackStore:
         _STORES.add(self)
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
+        self._pid = _process.pid()
         self._fds: OrderedDict[str, int] = OrderedDict()  # pack name -> descriptor (LRU)
         self._own: tuple[str, int] | None = None  # (pack name, descriptor) this process appends to
         self._end = 0
 
     def _check_pid(self) -> None:
-        if self._pid != os.getpid():  # forked without the at-fork hook (should not happen): start over
+        if self._pid != _process.pid():  # forked without the at-fork hook (should not happen): start over
             self._reset()
 
     # -- writing --------------------------------------------------------------------------------
@@ -228,7 +230,7 @@ class PackStore:
     def close(self) -> None:
         """Close every descriptor (and give up the owned pack); later calls reopen what they need."""
         with self._lock:
-            if self._pid == os.getpid():
+            if self._pid == _process.pid():
                 for fd in self._fds.values():
                     os.close(fd)
                 if self._own is not None:
@@ -291,7 +293,7 @@ def _after_fork_in_child() -> None:
     # Descriptors inherited from the parent: close them here (no SQLite lock rides on a pack, so
     # closing is safe); the parent's flock stays, held by the parent's own descriptor.
     for store in list(_STORES):
-        if store._pid != os.getpid():
+        if store._pid != _process.pid():
             for fd in store._fds.values():
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -302,5 +304,4 @@ def _after_fork_in_child() -> None:
             store._reset()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_process.at_fork(after_in_child=_after_fork_in_child)

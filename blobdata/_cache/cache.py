@@ -1,0 +1,480 @@
+"""The :class:`BlobCache` facade: opening the index per process, reading, writing, stats.
+
+See the package docstring (:mod:`blobdata._cache`) for the safety properties and the size bound.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sqlite3
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import diskcache
+
+from .. import _process
+from .._config import parse_duration, parse_size
+from .._errors import CacheError, ConfigError
+from .index import WAL_SLACK_BYTES, IndexOps, Policy
+from .packs import aligned, punch_supported
+from .values import (
+    DB_NAME,
+    HEADER,
+    MIN_FILE_SIZE,
+    BytesDisk,
+    Corrupt,
+    Inline,
+    Pending,
+    Refused,
+    Staged,
+    checksum,
+    chmod_private,
+    key_of,
+    make_private_dir,
+    write_value_file,
+)
+
+__all__ = ["BlobCache", "CacheStats"]
+
+_log = logging.getLogger("blobdata")
+
+_SQLITE_TIMEOUT = 15.0  # seconds a writer waits for the index lock before the put counts as failed
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS Blobdata (key TEXT PRIMARY KEY, value)",
+    "CREATE INDEX IF NOT EXISTS Blobdata_filename ON Cache (filename)",
+    # The name diskcache uses for its LRU index, so both agree if settings ever change.
+    "CREATE INDEX IF NOT EXISTS Cache_access_time ON Cache (access_time)",
+)
+_INSTANCES: weakref.WeakSet[BlobCache] = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    """Counters of this process (hits, misses, ...) and the shared state of the directory.
+
+    ``hits + misses`` is the number of ``get`` calls (``corrupt`` ones are among the misses);
+    ``stored + rejected + write_errors`` is the number of ``put`` calls. Sizes in bytes.
+    """
+
+    hits: int
+    misses: int
+    corrupt: int
+    stored: int
+    rejected: int
+    write_errors: int
+    evictions: int
+    volume_bytes: int
+    entries: int
+    size_limit: int
+    policy: str
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits per ``get`` call (0.0 before the first one)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class BlobCache(IndexOps):
+    """A size-bounded, checksummed, process-safe bytes cache in ``directory``.
+
+    directory:     a local directory (created with mode 0700); several processes and jobs may share it.
+    size_limit:    bytes or a human size (default ``"100GB"``); ``volume_bytes`` stays within
+                   ``size_limit + SLACK_BYTES`` plus the SQLite WAL (see the module docstring).
+    policy:        ``"admit"`` (default: keep the first ``size_limit`` bytes, best for shuffled
+                   multi-epoch training) or ``"lru"`` (evict least-recently-used).
+    orphan_grace:  age in seconds (or ``"10m"``) after which temp files and value files without
+                   a row are swept when a cache opens (default 600).
+    write_pause:   seconds without write attempts after a write error (default 60).
+
+    Raises :class:`CacheError` if the directory cannot be created or its index opened.
+    Thread-safe; SQLite connections are per thread and per process.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        size_limit: int | str = "100GB",
+        policy: Policy = "admit",
+        orphan_grace: float | str = 600.0,
+        write_pause: float | str = 60.0,
+    ) -> None:
+        if policy not in ("admit", "lru"):
+            raise ConfigError(f"cache policy must be 'admit' or 'lru', got {policy!r}")
+        self._setup(os.fspath(directory), parse_size(size_limit, name="size_limit"), policy)
+        self._grace = parse_duration(orphan_grace, name="orphan_grace") if orphan_grace != 0 else 0.0
+        self._pause = parse_duration(write_pause, name="write_pause")
+        self._connect()  # fail now, with a clear message, if the directory is unusable
+
+    def _setup(self, directory: str, size_limit: int, policy: Policy) -> None:
+        self._directory = os.path.abspath(os.path.expanduser(directory))
+        self._wal_path = os.path.join(self._directory, DB_NAME + "-wal")
+        self._size_limit = size_limit
+        self._policy: Policy = policy
+        self._grace = 600.0
+        self._pause = 60.0
+        self._lock = threading.RLock()
+        self._dc: Any = None
+        _INSTANCES.add(self)
+        self._pid = -1
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "corrupt", "stored", "rejected", "write_errors", "evictions"), 0
+        )
+        self._paused_until = 0.0
+        self._broken_until = 0.0
+        self._warned = False
+        self._use_packs = False  # decided when the index opens (hole punching supported there)
+
+    # -- pickling (spawn workers): just the configuration, reopened on first use -----------------
+
+    def __getstate__(self) -> tuple[str, int, str]:
+        return (self._directory, self._size_limit, self._policy)
+
+    def __setstate__(self, state: tuple[str, int, Policy]) -> None:
+        self._setup(*state)
+
+    def __repr__(self) -> str:
+        return f"BlobCache({self._directory!r}, size_limit={self._size_limit}, policy={self._policy!r})"
+
+    def __enter__(self) -> BlobCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def directory(self) -> str:
+        """The cache directory (absolute)."""
+        return self._directory
+
+    # -- opening ------------------------------------------------------------------------------
+
+    def _connect(self) -> Any:
+        """This process's diskcache.Cache, opened on first use and again after fork."""
+        pid = _process.pid()
+        dc = self._dc
+        if dc is not None and self._pid == pid:
+            return dc
+        if self._pid != pid and self._pid != -1:
+            # Inherited through fork. A lock held by a parent thread at fork time would never be
+            # released here, and SQLite forbids using (or closing) a parent's connection.
+            self._lock = threading.RLock()
+            if self._dc is not None:
+                _process.orphan(self._dc)
+            self._dc = None
+            self._counts = dict.fromkeys(self._counts, 0)
+        with self._lock:
+            if self._dc is None:
+                if time.monotonic() < self._broken_until:  # do not retry a failed open on every call
+                    raise CacheError(f"cache directory {self._directory} is unusable (retrying later)")
+                try:
+                    self._dc = self._open()
+                except CacheError:
+                    self._broken_until = time.monotonic() + self._pause
+                    raise
+                self._pid = pid
+            return self._dc
+
+    def _open(self) -> Any:
+        directory = self._directory
+        try:
+            make_private_dir(directory)
+            db = os.path.join(directory, DB_NAME)
+            # O_EXCL: never open (and close) an existing index here. Closing any descriptor of a
+            # file drops every POSIX lock this process holds on it, including those of another
+            # open SQLite connection, and readers then see a corrupt image (SQLite howtocorrupt 2.2).
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(db, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600))
+            for path in (db, db + "-wal", db + "-shm"):
+                chmod_private(path, 0o600)
+            dc = diskcache.Cache(
+                directory,
+                timeout=_SQLITE_TIMEOUT,
+                disk=BytesDisk,
+                eviction_policy="none",  # we admit and evict ourselves, inside one transaction
+                cull_limit=0,
+                size_limit=2**62,
+                statistics=0,  # diskcache's counters would make every get a write
+                tag_index=0,
+                disk_min_file_size=MIN_FILE_SIZE,
+                sqlite_journal_size_limit=WAL_SLACK_BYTES // 2,
+            )
+            with dc.transact():
+                for statement in _SCHEMA:
+                    dc._sql(statement)
+            self._use_packs = punch_supported(directory)
+        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            raise CacheError(
+                f"cache directory {directory} cannot be used ({exc}); choose a writable local "
+                "directory for the cache, or run without a cache"
+            ) from exc
+        try:
+            self._sweep(dc, force=False)
+        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            _log.debug("blobdata cache %s: orphan sweep skipped (%s)", directory, exc)
+        return dc
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def get(self, url: str, identity: str) -> bytes | None:
+        """Verified bytes of ``(url, identity)``, or None on a miss (absent, corrupt, unreadable).
+
+        One indexed SQLite read and one file read; with policy ``"admit"`` nothing is written.
+        A corrupt or tampered entry is deleted and counted in ``corrupt``.
+        """
+        try:
+            dc = self._connect()
+            row = dc._sql(
+                "SELECT rowid, mode, filename, value FROM Cache WHERE key = ? AND raw = 1",
+                (key_of(url, identity),),
+            ).fetchone()
+        except CacheError as exc:
+            self._warn_once(exc)
+            self._bump("misses")
+            return None
+        except (sqlite3.Error, OSError) as exc:
+            _log.debug("blobdata cache %s: read of %s failed (%s)", self._directory, url, exc)
+            self._bump("misses")
+            return None
+        if row is None:
+            self._bump("misses")
+            return None
+        rowid, mode, filename, value = row
+        try:
+            data: bytes = dc.disk.fetch(mode, filename, value, False)
+        except (Corrupt, Refused, FileNotFoundError) as exc:
+            # A missing file is usually an eviction racing this read (row already gone); _drop
+            # deletes only a row that is still there, i.e. a dangling or corrupt one.
+            if self._drop(dc, rowid, filename):
+                _log.debug("blobdata cache %s: dropped bad entry for %s (%r)", self._directory, url, exc)
+                self._bump("corrupt")
+            self._bump("misses")
+            return None
+        except OSError as exc:
+            _log.debug("blobdata cache %s: read of %s failed (%s)", self._directory, url, exc)
+            self._bump("misses")
+            return None
+        if self._policy == "lru":
+            # A lost access-time update (index busy) only makes eviction slightly less exact.
+            with contextlib.suppress(sqlite3.Error):
+                dc._sql("UPDATE Cache SET access_time = ? WHERE rowid = ?", (time.time(), rowid))
+        self._bump("hits")
+        return data
+
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        """Whether ``(url, identity)`` has an entry (no checksum read)."""
+        url, identity = key
+        try:
+            return (
+                self._connect()
+                ._sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key_of(url, identity),))
+                .fetchone()
+                is not None
+            )
+        except (CacheError, sqlite3.Error, OSError):
+            return False
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def put(self, url: str, identity: str, data: bytes) -> bool:
+        """Store ``data`` for ``(url, identity)``; True if it is in the cache afterwards.
+
+        False when not admitted (policy ``"admit"`` and full, or larger than the cache) or on any
+        I/O error; never raises for those. An entry for another identity of ``url`` is replaced.
+        """
+        return self.put_many([(url, identity, data)])[0]
+
+    def put_many(self, items: Sequence[tuple[str, str, bytes]]) -> list[bool]:
+        """:meth:`put` for several ``(url, identity, data)`` at once, with one index transaction.
+
+        The write lock of the shared index is the contended part of a put (every worker of every
+        job on the node takes it); a batch takes it once. Value files are written before the lock.
+        """
+        results = [False] * len(items)
+        for _, _, data in items:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"BlobCache.put takes bytes, got {type(data).__name__}")
+        if not items:
+            return results
+        if time.monotonic() < self._paused_until:
+            self._bump("write_errors", len(items))
+            return results
+        pending: list[Pending] = []
+        dc: Any = None
+        try:
+            dc = self._connect()
+            sql = dc._sql
+            page_bytes, size_sum = self._volume(sql)
+            planned = 0
+            for i, (url, identity, raw) in enumerate(items):
+                data = bytes(raw)
+                key = key_of(url, identity)
+                if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone() is not None:
+                    results[i] = True
+                    self._bump("stored")
+                    continue
+                packed = self._use_packs and len(data) >= MIN_FILE_SIZE
+                need = aligned(len(data)) if packed else len(data) + HEADER.size
+                # A cheap check before writing anything; the authoritative one is in _commit.
+                full = page_bytes + size_sum + planned + need > self._size_limit
+                if page_bytes + need > self._size_limit or (
+                    self._policy == "admit"
+                    and full
+                    and page_bytes + size_sum + planned - self._stale_bytes(sql, url) + need
+                    > self._size_limit
+                ):
+                    self._bump("rejected")
+                    continue
+                if len(data) < MIN_FILE_SIZE:
+                    kind, crc = checksum(data)
+                    value: Staged | Inline = Inline(HEADER.pack(kind.encode(), crc) + data)
+                else:
+                    value = self._stage(dc, data)
+                pending.append(Pending(i, key, url, value, need))
+                planned += need
+            outcome, removed = self._commit(dc, pending) if pending else ({}, [])
+        except (OSError, sqlite3.Error, diskcache.Timeout, CacheError) as exc:
+            if dc is not None:
+                _rollback_quietly(dc)
+                for p in pending:
+                    if isinstance(p.value, Staged):
+                        dc.disk.remove(p.value.filename)
+            self._write_failed(exc)
+            return results
+        except BaseException:
+            for p in pending:
+                if isinstance(p.value, Staged):
+                    dc.disk.remove(p.value.filename)
+            raise
+        stored = evicted = 0
+        for p in pending:
+            state = outcome.get(p.pos)
+            if state is not True and isinstance(p.value, Staged):
+                dc.disk.remove(p.value.filename)  # rejected, or the same key stored by another process
+            if state is False:
+                self._bump("rejected")
+            else:
+                results[p.pos] = True
+                stored += 1
+        for filename in removed:  # after COMMIT: a crash here leaves orphans, swept later
+            dc.disk.remove(filename)
+            evicted += 1
+        if stored:
+            self._bound_wal(dc)
+            with self._lock:
+                self._counts["stored"] += stored
+                self._counts["evictions"] += evicted
+        return results
+
+    def _stage(self, dc: Any, data: bytes) -> Staged:
+        """Append ``data`` to this process's pack, or (no hole punching) write it to a value file."""
+        kind, crc = checksum(data)
+        if self._use_packs:
+            return Staged(dc.disk.packs.append(data, kind, crc), aligned(len(data)))
+        return write_value_file(self._directory, data, kind, crc)
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += n
+
+    def _write_failed(self, exc: BaseException) -> None:
+        self._bump("write_errors")
+        self._paused_until = time.monotonic() + self._pause
+        self._warn_once(exc)
+
+    def _warn_once(self, exc: BaseException) -> None:
+        """One warning per cache object and process; later failures are logged at debug level."""
+        if not self._warned:
+            self._warned = True
+            _log.warning(
+                "blobdata cache %s: cannot write (%s: %s); cache writes paused for %.0f s, "
+                "reading objects from the network instead (free space or choose another cache directory)",
+                self._directory,
+                type(exc).__name__,
+                exc,
+                self._pause,
+            )
+        else:
+            _log.debug("blobdata cache %s: write failed again (%s)", self._directory, exc)
+
+    def _shared_state(self) -> tuple[int, int]:
+        """(volume_bytes, entries) of the directory; zeros if the index cannot be read."""
+        try:
+            sql = self._connect()._sql
+            page_bytes, size_sum = self._volume(sql)
+            ((count,),) = sql("SELECT value FROM Settings WHERE key = 'count'").fetchall()
+            return page_bytes + size_sum, int(count)
+        except (CacheError, sqlite3.Error, OSError):
+            return 0, 0
+
+    def stats(self) -> CacheStats:
+        """This process's counters plus the directory's current volume and entry count."""
+        volume, entries = self._shared_state()
+        with self._lock:
+            counts = dict(self._counts)
+        return CacheStats(
+            **counts, volume_bytes=volume, entries=entries, size_limit=self._size_limit, policy=self._policy
+        )
+
+    def info(self) -> dict[str, object]:
+        """A summary for ``blobdata cache info``: directory, entries, bytes, limit, policy."""
+        volume, entries = self._shared_state()
+        return {
+            "directory": self._directory,
+            "entries": entries,
+            "bytes": volume,
+            "limit": self._size_limit,
+            "policy": self._policy,
+        }
+
+    def clear(self) -> None:
+        """Remove every entry (for all processes) and sweep old orphans. Raises CacheError on failure."""
+        try:
+            dc = self._connect()
+            dc.clear(retry=True)
+            self._sweep(dc, force=True)
+        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            raise CacheError(f"cannot clear cache directory {self._directory} ({exc})") from exc
+
+    def close(self) -> None:
+        """Close this process's connection; a later call reopens it."""
+        with self._lock:
+            if self._dc is not None and self._pid == _process.pid():
+                self._dc.disk.packs.close()
+                self._dc.close()
+                self._dc = None
+
+def _close_before_fork() -> None:
+    """Close the forking thread's SQLite connections before ``os.fork()``.
+
+    A child inherits SQLite's per-process lock bookkeeping with any open connection; with none
+    open it starts clean, and its own connection takes its own locks. The parent reopens lazily.
+    """
+    pid = _process.pid()
+    for cache in list(_INSTANCES):
+        dc = cache._dc
+        if dc is not None and cache._pid == pid:
+            with contextlib.suppress(sqlite3.Error):
+                dc.close()
+
+
+_process.at_fork(before=_close_before_fork)
+
+
+def _rollback_quietly(dc: Any) -> None:
+    """End a transaction a failed COMMIT left open, so later puts can begin new ones."""
+    try:
+        con = dc._con
+        if con.in_transaction:
+            con.execute("ROLLBACK")
+    except sqlite3.Error:
+        pass
+
+

@@ -1,0 +1,130 @@
+"""The batched background writer of the cache: the fetch path offers, one thread commits many entries
+per transaction. The dataset's workers and ``blobdata warm`` both write through it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from multiprocessing import util as mp_util
+
+from .. import _process
+from .cache import BlobCache
+
+__all__ = ["CacheWriter"]
+
+_log = logging.getLogger("blobdata")
+
+
+class CacheWriter:
+    """Writes into a :class:`BlobCache` from one background thread, many entries per transaction.
+
+    The fetch path calls :meth:`offer` and moves on: it never waits for the disk or for the
+    index's write lock. Entries queue up to ``max_bytes`` (default 64 MiB); beyond that an offer
+    is dropped (the object is simply not cached this time) and counted in ``dropped``. The thread
+    commits up to ``batch`` queued entries at a time with one :meth:`BlobCache.put_many`, once
+    ``batch`` entries are queued or the oldest has waited ``linger`` seconds (default 0.2): a
+    transaction costs ~0.25 ms on top of ~0.15 ms per entry, and a DataLoader worker offers a few
+    hundred objects per second, so committing each as it comes would double the cost of caching.
+    Pending entries are flushed when the process exits normally, including DataLoader workers (a
+    multiprocessing finalizer), within ``flush_timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        cache: BlobCache,
+        *,
+        max_bytes: int = 64 * 2**20,
+        batch: int = 64,
+        linger: float = 0.2,
+        flush_timeout: float = 4.0,
+    ) -> None:
+        self.cache = cache
+        self.max_bytes = max_bytes
+        self.batch = batch
+        self.linger = linger
+        self.flush_timeout = flush_timeout
+        self._since = 0.0  # when the oldest queued entry arrived (monotonic)
+        self._flushing = 0  # threads waiting in flush(): commit at once, do not linger
+        self.dropped = 0
+        self._queue: list[tuple[str, str, bytes]] = []
+        self._bytes = 0
+        self._busy = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pid = _process.pid()
+
+    def offer(self, url: str, identity: str, data: bytes) -> bool:
+        """Queue ``data`` for the cache; False (and counted) if the queue is full."""
+        with self._cond:
+            if self._bytes + len(data) > self.max_bytes and self._queue:
+                self.dropped += 1
+                return False
+            first = not self._queue
+            if first:
+                self._since = time.monotonic()
+            self._queue.append((url, identity, data))
+            self._bytes += len(data)
+            if first or len(self._queue) >= self.batch:  # start the linger clock, or commit now
+                self._cond.notify()
+        if self._thread is None or self._pid != _process.pid():
+            self._start()
+        return True
+
+    def _start(self) -> None:
+        with self._cond:
+            if self._thread is not None and self._pid == _process.pid():
+                return
+            self._pid = _process.pid()
+            self._thread = threading.Thread(target=self._run, name="blobdata-cache-writer", daemon=True)
+            self._thread.start()
+        # Flush at a normal exit: atexit in a main process, multiprocessing's finalizers in its
+        # children (DataLoader workers leave through os._exit after running those, not atexit).
+        atexit.register(self.flush)
+        mp_util.Finalize(self, self.flush, exitpriority=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._queue and (len(self._queue) >= self.batch or self._flushing):
+                        break
+                    if not self._queue:
+                        self._cond.wait()
+                        continue
+                    left = self._since + self.linger - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                todo, self._queue = self._queue[: self.batch], self._queue[self.batch :]
+                self._since = time.monotonic()
+                self._busy = True
+            try:
+                self.cache.put_many(todo)
+            except Exception as exc:  # put_many already turns I/O errors into False
+                _log.debug("blobdata cache %s: background write failed (%s)", self.cache.directory, exc)
+            finally:
+                with self._cond:
+                    self._bytes -= sum(len(d) for _, _, d in todo)
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything offered so far is written; False if ``timeout`` passed first."""
+        if self._thread is None or self._pid != _process.pid():
+            return not self._queue
+        deadline = time.monotonic() + (self.flush_timeout if timeout is None else timeout)
+        with self._cond:
+            self._flushing += 1
+            self._cond.notify_all()
+            try:
+                while self._queue or self._busy:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._flushing -= 1
+        return True
