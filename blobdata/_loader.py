@@ -11,13 +11,14 @@ asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch.utils.data
 
 from ._errors import ConfigError
 from ._lookahead import PlanChannel, PlanningBatchSampler
+from ._resume import Progress, own_generator
 
 __all__ = ["BlobLoader"]
 
@@ -73,16 +74,19 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
                 raise ConfigError("sampler option is mutually exclusive with shuffle (as in DataLoader)")
             if sampler is None:
                 sampler = (
-                    torch.utils.data.RandomSampler(dataset, generator=generator)
+                    torch.utils.data.RandomSampler(
+                        dataset, generator=generator if generator is not None else own_generator()
+                    )
                     if shuffle
                     else torch.utils.data.SequentialSampler(dataset)
                 )
             batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
         self.channel = PlanChannel()
         attach(self.channel)
+        self.progress = Progress(sampler, batch_size)
         super().__init__(
             dataset,
-            batch_sampler=PlanningBatchSampler(batches, self.channel),
+            batch_sampler=PlanningBatchSampler(batches, self.channel, self.progress),
             num_workers=num_workers,
             collate_fn=collate_fn,
             pin_memory=pin_memory,
@@ -101,6 +105,20 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         object.__setattr__(self, "sampler", sampler)
         object.__setattr__(self, "drop_last", drop_last)
         self.user_worker_init_fn = worker_init_fn
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return self.progress.track(super().__iter__())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands (JSON-friendly, versioned): epoch, batches yielded in it, and the
+        sampler's seed or generator state at the epoch's start. See :mod:`blobdata._resume`."""
+        return self.progress.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next epoch this loader begins resume ``state``'s: same order, minus the batches
+        already yielded (which are not fetched again). At another world size the sampler must be an
+        :class:`~blobdata.ElasticDistributedSampler`."""
+        self.progress.load_state_dict(state)
 
 
 class _WorkerInit:
