@@ -56,14 +56,22 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--workers", type=int, default=0)
-    p.add_argument("--sampler", choices=["elastic", "distributed", "shuffle"], default="elastic",
-                   help="ElasticDistributedSampler (default), DistributedSampler, or shuffle=True (1 rank)")
+    p.add_argument(
+        "--sampler",
+        choices=["elastic", "distributed", "shuffle"],
+        default="elastic",
+        help="ElasticDistributedSampler (default), DistributedSampler, or shuffle=True (1 rank)",
+    )
     p.add_argument("--checkpoint", type=Path, default=None, help="directory: model.pt and loader.json")
     p.add_argument("--save-every", type=int, default=1, help="steps between checkpoints")
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, a toy model over raw bytes")
-    p.add_argument("--ids-log", type=Path, default=None, help="smoke mode: write each batch's sample ids here")
+    p.add_argument(
+        "--ids-log", type=Path, default=None, help="smoke mode: write each batch's sample ids here"
+    )
     p.add_argument("--step-delay", type=float, default=0.0, help="seconds of pretend work per step")
-    p.add_argument("--list-before-init", action="store_true", help="make the dataset before the process group")
+    p.add_argument(
+        "--list-before-init", action="store_true", help="make the dataset before the process group"
+    )
     args = p.parse_args()
     if not args.smoke:
         raise SystemExit("this example's model is a toy over raw bytes: run it with --smoke, or put yours in")
@@ -97,7 +105,7 @@ def main() -> None:
         args.ids_log.mkdir(parents=True, exist_ok=True)
         table = hashlib.sha256(ds.manifest.to_bytes()).hexdigest()
         with open(args.ids_log / f"rank{rank}.jsonl", "a") as fh:
-            fh.write(json.dumps({"rank": rank, "world": world, "table": table, "samples": len(ds)}) + "\n")
+            fh.write(json.dumps({"rank": rank, "world": world, "table": table, "pid": os.getpid()}) + "\n")
     step = 0
     for epoch in range(start_epoch, args.epochs):
         if isinstance(loader.sampler, DistributedSampler):

@@ -3,6 +3,7 @@ examples/train_ddp.py in its smoke mode, killed with SIGKILL and resumed, at 1, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,7 +60,9 @@ def _torchrun(
         f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port or _free_port()}",
         str(EXAMPLE), url, "--smoke", *args,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
 
 
 def _finish(proc: subprocess.Popen[bytes]) -> None:
@@ -82,9 +85,12 @@ def _logs(d: Path) -> dict[int, tuple[list[dict[str, Any]], list[tuple[int, list
     return out
 
 
-def _run_until_killed(url: str, env: dict[str, str], ckpt: Path, steps: int, *args: str, nproc: int) -> dict[str, Any]:
-    """Run, SIGKILL the whole process tree once the checkpoint is at ``steps`` steps; return it."""
-    proc = _torchrun(url, env, "--checkpoint", str(ckpt), "--step-delay", "0.3", *args, nproc=nproc)
+def _run_until_killed(
+    url: str, env: dict[str, str], ckpt: Path, log: Path, steps: int, *args: str, nproc: int
+) -> dict[str, Any]:
+    """Run, SIGKILL the training processes and torchrun once the checkpoint is at ``steps`` steps."""
+    args = (*args, "--ids-log", str(log), "--checkpoint", str(ckpt), "--step-delay", "0.3")
+    proc = _torchrun(url, env, *args, nproc=nproc)
     deadline = time.monotonic() + RUN_TIMEOUT
     try:
         while time.monotonic() < deadline:
@@ -93,6 +99,11 @@ def _run_until_killed(url: str, env: dict[str, str], ckpt: Path, steps: int, *ar
             except (OSError, ValueError):
                 state = None
             if state is not None and _steps(state, nproc) >= steps:
+                # The training processes first (torchrun starts them in sessions of their own).
+                for heads, _ in _logs(log).values():
+                    for head in heads:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(head["pid"], signal.SIGKILL)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
                 return dict(json.loads((ckpt / "loader.json").read_text())["loader"])
@@ -144,7 +155,7 @@ def test_sigkill_then_resume_gives_the_uninterrupted_batches(
     _finish(_torchrun(url, env, *common, "--ids-log", str(tmp_path / "full"), nproc=nproc))
     ckpt, log = tmp_path / "ckpt", tmp_path / "run"
     per_epoch = N // (4 * nproc)
-    state = _run_until_killed(url, env, ckpt, per_epoch + 2, *common, "--ids-log", str(log), nproc=nproc)
+    state = _run_until_killed(url, env, ckpt, log, per_epoch + 2, *common, nproc=nproc)
     done = _steps(state, nproc)
     assert per_epoch < done < 2 * per_epoch and not state["complete"]  # killed mid-epoch
     before = {r: batches[:done] for r, (_, batches) in _logs(log).items()}
@@ -165,14 +176,16 @@ def test_elastic_resume_at_another_world_size(
 ) -> None:
     url, env = _fill(s3_bucket), _env(s3_proxy)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log"
-    state = _run_until_killed(url, env, ckpt, 2, "--epochs", "1", "--ids-log", str(log), nproc=before)
+    state = _run_until_killed(url, env, ckpt, log, 2, "--epochs", "1", nproc=before)
     done = _steps(state, before)
     assert 0 < done < N // (4 * before)
     seen = [i for _, (_, batches) in _logs(log).items() for _, ids in batches[:done] for i in ids]
     assert state["world_size"] == before and len(seen) == done * 4 * before
     for f in log.glob("*.jsonl"):
         f.unlink()
-    _finish(_torchrun(url, env, "--epochs", "1", "--ids-log", str(log), "--checkpoint", str(ckpt), nproc=after))
+    _finish(
+        _torchrun(url, env, "--epochs", "1", "--ids-log", str(log), "--checkpoint", str(ckpt), nproc=after)
+    )
     rest = [i for _, (_, batches) in _logs(log).items() for _, ids in batches for i in ids]
     assert sorted(seen + rest) == list(range(N))  # every sample of the epoch once, across the two runs
 
@@ -186,9 +199,20 @@ def test_two_nodes_two_caches(s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path
     port = _free_port()
     procs = [
         _torchrun(
-            url, env, "--epochs", "1", "--list-before-init", "--ids-log", str(tmp_path / "log"),
-            "--cache-dir", str(tmp_path / f"cache{node}"), nproc=2, nnodes=2, node=node, port=port,
-        )  # fmt: skip
+            url,
+            env,
+            "--epochs",
+            "1",
+            "--list-before-init",
+            "--ids-log",
+            str(tmp_path / "log"),
+            "--cache-dir",
+            str(tmp_path / f"cache{node}"),
+            nproc=2,
+            nnodes=2,
+            node=node,
+            port=port,
+        )
         for node in range(2)
     ]
     for proc in procs:
