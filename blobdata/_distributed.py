@@ -31,7 +31,7 @@ from ._config import cache_home, env, parse_duration
 from ._errors import BlobdataError, ConfigError, ManifestError, NotFound
 from ._manifest import Manifest
 
-__all__ = ["DistInfo", "dist_info", "shared_manifest"]
+__all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"]
 
 _POLL_SECONDS = 0.05
 
@@ -62,17 +62,21 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+def env_info() -> DistInfo:
+    """Rank and world size from torchrun's variables alone (no torch import)."""
+    return _info(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), False)
+
+
 def dist_info() -> DistInfo:
     """Rank and world size from ``torch.distributed`` when initialised, else from torchrun's variables."""
-    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    initialized = False
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_available() and dist.is_initialized():
-            rank, world, initialized = dist.get_rank(), dist.get_world_size(), True
-    except ImportError:  # pragma: no cover - torch is a dependency of the dataset, not of the CLI
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return _info(dist.get_rank(), dist.get_world_size(), True)
+    return env_info()
+
+
+def _info(rank: int, world: int, initialized: bool) -> DistInfo:
     local_world = _env_int("LOCAL_WORLD_SIZE", 1 if world == 1 else world)
     local_rank = _env_int("LOCAL_RANK", rank % max(1, local_world))
     node = _env_int("GROUP_RANK", rank // max(1, local_world))
@@ -144,6 +148,7 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
     path = shared_file(root, key, info.nnodes)
     failed = path.with_suffix(".error")
     if info.rank == 0:
+        failed.unlink(missing_ok=True)  # an earlier run's
         try:
             manifest = make()
         except BlobdataError as exc:

@@ -34,7 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ._distributed import dist_info
 from ._errors import ConfigError
 
-__all__ = ["STATE_VERSION", "ElasticDistributedSampler", "Progress", "own_generator"]
+__all__ = ["STATE_VERSION", "ElasticDistributedSampler", "Progress", "node_share", "own_generator"]
 
 STATE_VERSION = 1
 
@@ -95,6 +95,29 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         if total > len(rest) and rest:  # pad by repeating the start of the rest, as DistributedSampler does
             rest = (rest * math.ceil(total / len(rest)))[:total]
         return iter(rest[self.rank : total : self.num_replicas])
+
+
+class _Sized:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def node_share(
+    n: int, *, nnodes: int, node_rank: int, nproc_per_node: int, seed: int, epoch: int
+) -> list[int]:
+    """The samples the ranks of node ``node_rank`` read in ``epoch`` under an
+    :class:`ElasticDistributedSampler` (or ``DistributedSampler``) with ``seed``, over ``n`` samples;
+    torchrun numbers a node's ranks ``node_rank * nproc_per_node + local_rank``."""
+    world = nnodes * nproc_per_node
+    out: list[int] = []
+    for rank in range(node_rank * nproc_per_node, (node_rank + 1) * nproc_per_node):
+        sampler = ElasticDistributedSampler(_Sized(n), num_replicas=world, rank=rank, seed=seed)
+        sampler.set_epoch(epoch)
+        out.extend(sampler)
+    return out
 
 
 def own_generator() -> torch.Generator:

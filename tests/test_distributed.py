@@ -224,3 +224,33 @@ def test_two_nodes_two_caches(s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path
     assert ids == list(range(N))
     assert len([t for m, t in s3_proxy.requests if m == "GET" and "list-type=2" not in t]) == N
     assert (tmp_path / "cache0").is_dir() and (tmp_path / "cache1").is_dir()
+
+
+@pytest.mark.timeout(120)
+def test_warm_fills_exactly_the_nodes_share_of_the_epoch(
+    s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torch.utils.data.distributed import DistributedSampler
+
+    from blobdata import BlobCache
+    from blobdata._cli import main
+
+    url = _fill(s3_bucket)
+    opts = s3_proxy.storage_options
+    o = [f"endpoint_url={opts['endpoint_url']}", f"key={opts['key']}", f"secret={opts['secret']}"]
+    o.append(f"client_kwargs.region_name={opts['client_kwargs']['region_name']}")
+    flags = [x for kv in o for x in ("-o", kv)]
+    cache = tmp_path / "cache1"
+    argv = ["warm", url, "--cache-dir", str(cache), "--nnodes", "2", "--node-rank", "1"]
+    assert main([*argv, "--nproc-per-node", "2", "--epoch", "3", "--seed", "7", "--no-progress", *flags]) == 0
+    ds = FolderDataset(url, storage_options=opts, share_listing=False)
+    want: set[int] = set()
+    for rank in (2, 3):  # node 1's ranks under torchrun
+        sampler = DistributedSampler(ds, num_replicas=4, rank=rank, seed=7)
+        sampler.set_epoch(3)
+        want |= set(sampler)
+    m = ds.manifest
+    with BlobCache(str(cache)) as c:
+        cached = {i for i in range(len(m)) if (m.url(i), m.identity(i)) in c}
+    assert cached == want and len(want) == N // 2
+    assert "24 objects" in capsys.readouterr().out

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from blobdata import ConfigError, ElasticDistributedSampler, FolderDataset
+from blobdata import BlobdataError, ConfigError, ElasticDistributedSampler, FolderDataset, ManifestError
 
 
 def _ids(f: Any) -> int:
@@ -123,3 +123,34 @@ def test_bad_state_is_refused(ds: FolderDataset) -> None:
         loader.load_state_dict({"version": 99})
     with pytest.raises(ConfigError, match="sampler"):
         loader.load_state_dict({**_make(ds, "distributed", 0).state_dict()})
+
+
+def test_a_rank_waiting_for_rank_0s_listing_gives_up_with_a_clear_error(
+    ds: FolderDataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "BLOBDATA_SHARED_TIMEOUT": "0.3"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("BLOBDATA_SHARED_DIR", str(tmp_path / "shared"))
+    with pytest.raises(
+        ManifestError, match=r"waited 0s for rank 0's listing of file://.*BLOBDATA_SHARED_DIR"
+    ):
+        FolderDataset(ds.root, loader=_ids)
+
+
+def test_rank_0s_listing_reaches_the_other_ranks_over_the_shared_file(
+    ds: FolderDataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("BLOBDATA_SHARED_DIR", str(tmp_path / "shared"))
+    monkeypatch.setenv("RANK", "0")
+    first = FolderDataset(ds.root, loader=_ids)
+    (Path(ds.root[len("file://") :]) / "c0" / "new.png").write_bytes(b"x")  # the folder changes
+    monkeypatch.setenv("RANK", "1")
+    second = FolderDataset(ds.root, loader=_ids)  # gets rank 0's table, not a new listing
+    assert second.manifest.to_bytes() == first.manifest.to_bytes() and len(second) == 48
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(BlobdataError):
+        FolderDataset(str(tmp_path / "missing"), loader=_ids)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ManifestError, match="rank 0 could not list"):
+        FolderDataset(str(tmp_path / "missing"), loader=_ids)
