@@ -254,3 +254,10 @@ def test_warm_fills_exactly_the_nodes_share_of_the_epoch(
         cached = {i for i in range(len(m)) if (m.url(i), m.identity(i)) in c}
     assert cached == want and len(want) == N // 2
     assert "24 objects" in capsys.readouterr().out
+
+
+def test_lightning_example_imports() -> None:
+    pytest.importorskip("lightning", reason="lightning is not installed here (pip install lightning)")
+    import runpy
+
+    runpy.run_path(str(ROOT / "examples" / "lightning_datamodule.py"), run_name="not_main")
