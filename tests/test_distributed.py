@@ -161,8 +161,12 @@ def test_sigkill_then_resume_gives_the_uninterrupted_batches(
     before = {r: batches[:done] for r, (_, batches) in _logs(log).items()}
     for f in log.glob("*.jsonl"):
         f.unlink()
+    s3_proxy.reset_counts()
     _finish(_torchrun(url, env, *common, "--ids-log", str(log), "--checkpoint", str(ckpt), nproc=nproc))
     after = {r: batches for r, (_, batches) in _logs(log).items()}
+    # The look-ahead started at the resumed batch: nothing already trained on was fetched again.
+    gets = [t for m, t in s3_proxy.requests if m == "GET" and "list-type=2" not in t]
+    assert len(gets) == sum(len(ids) for batches in after.values() for _, ids in batches)
     full = {r: batches for r, (_, batches) in _logs(tmp_path / "full").items()}
     assert len(full[0]) == 2 * per_epoch
     for r in range(nproc):
@@ -223,7 +227,11 @@ def test_two_nodes_two_caches(s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path
     ids = sorted(i for _, batches in logs.values() for _, b in batches for i in b)
     assert ids == list(range(N))
     assert len([t for m, t in s3_proxy.requests if m == "GET" and "list-type=2" not in t]) == N
-    assert (tmp_path / "cache0").is_dir() and (tmp_path / "cache1").is_dir()
+    from blobdata import BlobCache
+
+    for node in range(2):  # each node's cache holds its two ranks' share, fetched once
+        with BlobCache(str(tmp_path / f"cache{node}")) as cache:
+            assert cache.info()["entries"] == N // 2
 
 
 @pytest.mark.timeout(120)
