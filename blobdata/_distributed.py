@@ -34,6 +34,8 @@ from ._manifest import Manifest
 __all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"]
 
 _POLL_SECONDS = 0.05
+#: Hand-over files older than this are removed by the next job's rank 0 (seconds).
+_KEEP_SECONDS = 24 * 3600
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +158,7 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
             failed.write_text(f"{type(exc).__name__}: {exc}", encoding="utf-8")
             raise
         manifest.save(path)  # atomic: the others never see half a file
+        _forget_old(path.parent)
         return manifest
     timeout = parse_duration(env("BLOBDATA_SHARED_TIMEOUT") or 600, name="BLOBDATA_SHARED_TIMEOUT")
     deadline = time.monotonic() + timeout
@@ -175,3 +178,14 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
                 url=root,
             )
         time.sleep(_POLL_SECONDS)
+
+
+def _forget_old(directory: Path) -> None:
+    """Remove earlier jobs' hand-over files (each a full manifest) that no job can still be reading."""
+    cutoff = time.time() - _KEEP_SECONDS
+    for old in directory.glob("*.manifest"):
+        try:
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass  # another rank 0 removed it first

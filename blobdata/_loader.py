@@ -112,6 +112,10 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands (JSON-friendly, versioned): epoch, batches yielded in it, and the
         sampler's seed or generator state at the epoch's start. See :mod:`blobdata._resume`."""
+        if not getattr(self, "in_order", True) and self.num_workers > 0:
+            raise ConfigError(
+                "state_dict() needs in_order=True: out of order, the batches yielded are not a prefix"
+            )
         return self.progress.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

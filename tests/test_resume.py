@@ -154,3 +154,9 @@ def test_rank_0s_listing_reaches_the_other_ranks_over_the_shared_file(
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ManifestError, match="rank 0 could not list"):
         FolderDataset(str(tmp_path / "missing"), loader=_ids)
+
+
+def test_out_of_order_loaders_have_no_resumable_state(ds: FolderDataset) -> None:
+    loader = ds.dataloader(batch_size=4, num_workers=2, in_order=False)
+    with pytest.raises(ConfigError, match="in_order=True"):
+        loader.state_dict()
