@@ -269,3 +269,19 @@ def test_lightning_example_imports() -> None:
     import runpy
 
     runpy.run_path(str(ROOT / "examples" / "lightning_datamodule.py"), run_name="not_main")
+
+
+@pytest.mark.timeout(300)
+def test_local_ranks_share_one_cache(s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path: Path) -> None:
+    """Two ranks, one cache directory, two epochs: every object is fetched once for the node; in the
+    second epoch a rank reads from the cache what the other rank fetched in the first (the steps take
+    0.1 s, longer than the cache writer lingers before it commits, 0.2 s, over the look-ahead's lead)."""
+    url = _fill(s3_bucket)
+    args = ["--epochs", "2", "--workers", "2", "--cache-dir", str(tmp_path / "cache"), "--step-delay", "0.1"]
+    _finish(_torchrun(url, _env(s3_proxy), *args, "--ids-log", str(tmp_path / "log"), nproc=2))
+    gets = [t for m, t in s3_proxy.requests if m == "GET" and "list-type=2" not in t]
+    epoch1 = {
+        i for _, (_, batches) in _logs(tmp_path / "log").items() for e, ids in batches if e == 1 for i in ids
+    }
+    assert len(epoch1) == N
+    assert len(gets) == N  # not 2N: the second epoch came from the node's cache
