@@ -354,7 +354,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         Takes DataLoader's arguments with their meaning: the same arguments and the same seeded
         ``generator`` give exactly the batches ``DataLoader(self, ...)`` gives. Use
         ``sampler=DistributedSampler(ds)`` for DDP (each rank then fetches only its own indices) and
-        call ``sampler.set_epoch(e)`` as usual.
+        call ``sampler.set_epoch(e)`` as usual; ``blobdata.ElasticDistributedSampler`` gives the same
+        order and resumes at another world size. The loader has ``state_dict``/``load_state_dict``.
         """
         return BlobLoader(self, batch_size, shuffle, **kwargs)
 
