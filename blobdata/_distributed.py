@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ._config import cache_home, env, parse_duration
-from ._errors import BlobdataError, ConfigError, ManifestError, NotFound
+from ._errors import ConfigError, ManifestError, NotFound
 from ._manifest import Manifest
 
 __all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"]
@@ -110,12 +110,12 @@ def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo) -> Manif
         device = torch.device("cuda", torch.cuda.current_device())
     length = torch.zeros(1, dtype=torch.int64, device=device)
     if info.rank == 0:
-        error: BlobdataError | None = None
+        error: Exception | None = None
         try:
             manifest = make()
             payload = manifest.to_bytes()
             length[0] = len(payload)
-        except BlobdataError as exc:
+        except Exception as exc:
             # The others must not wait for bytes that will never come: they get the error's text.
             error = exc
             payload = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
@@ -153,7 +153,7 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
         failed.unlink(missing_ok=True)  # an earlier run's
         try:
             manifest = make()
-        except BlobdataError as exc:
+        except Exception as exc:
             failed.parent.mkdir(parents=True, exist_ok=True)
             failed.write_text(f"{type(exc).__name__}: {exc}", encoding="utf-8")
             raise

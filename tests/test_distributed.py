@@ -285,3 +285,35 @@ def test_local_ranks_share_one_cache(s3_bucket: TestBucket, s3_proxy: S3Proxy, t
     }
     assert len(epoch1) == N
     assert len(gets) == N  # not 2N: the second epoch came from the node's cache
+
+
+def _list_missing(rank: int, port: int, root: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        FolderDataset(root)
+        out.put((rank, "no error"))
+    except Exception as exc:
+        out.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_rank_0s_listing_error_reaches_the_other_ranks(tmp_path: Path) -> None:
+    """Under a process group, a listing that fails on rank 0 fails on every rank, naming the URL."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    root = str(tmp_path / "missing")
+    port = _free_port()
+    procs = [ctx.Process(target=_list_missing, args=(r, port, root, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=90) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert "missing" in got[0] and got[0] != "no error"
+    assert got[1].startswith("ManifestError: rank 0 could not list") and "missing" in got[1]
