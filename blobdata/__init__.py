@@ -28,6 +28,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ._dataset import FolderDataset
     from ._loader import BlobLoader
+    from ._resume import ElasticDistributedSampler
 
 
 def __getattr__(name: str) -> object:
@@ -40,6 +41,10 @@ def __getattr__(name: str) -> object:
         from ._loader import BlobLoader
 
         return BlobLoader
+    if name == "ElasticDistributedSampler":
+        from ._resume import ElasticDistributedSampler
+
+        return ElasticDistributedSampler
     raise AttributeError(f"module 'blobdata' has no attribute {name!r}")
 
 
@@ -54,6 +59,7 @@ __all__ = [
     "CacheStats",
     "ConfigError",
     "DecodeError",
+    "ElasticDistributedSampler",
     "EmptyDatasetError",
     "FetchError",
     "FetchOptions",

@@ -135,6 +135,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     resolved = resolve_storage_options(parse_url(url).protocol, opts)
     t0 = time.monotonic()
     manifest = _manifest_for(args, url, resolved)
+    indices = _node_share(args, len(manifest))
     log.debug("listing of %s: %d objects in %.2fs", url, len(manifest), time.monotonic() - t0)
     summary = warm(
         url,
@@ -146,6 +147,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         rank=args.rank,
         world_size=args.world_size,
         manifest=manifest,
+        indices=indices,
         buffer_size=args.buffer_size,
         progress=not (args.no_progress or args.quiet),
         dry_run=args.dry_run,
@@ -165,6 +167,26 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             raise first
         raise BlobdataError(f"every object failed; the first: {type(first).__name__}: {first}")
     return summary.exit_code()
+
+
+def _node_share(args: argparse.Namespace, n: int) -> Any:
+    """With --nnodes (or torchrun's variables): this node's share of epoch --epoch, else None."""
+    from ._distributed import env_info
+
+    info = env_info()
+    nnodes = args.nnodes if args.nnodes is not None else (info.nnodes if info.world_size > 1 else None)
+    if nnodes is None:
+        return None
+    if args.world_size != 1:
+        raise ConfigError("--nnodes/--node-rank and --rank/--world-size are two ways to shard: use one")
+    node = args.node_rank if args.node_rank is not None else info.node_rank
+    per_node = args.nproc_per_node if args.nproc_per_node is not None else info.local_world_size
+    if nnodes < 1 or per_node < 1 or not 0 <= node < nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} with --nnodes {nnodes} >= 1, got {node}")
+    from ._resume import node_share  # needs torch: only for this form of warm
+
+    return node_share(n, nnodes=nnodes, node_rank=node, nproc_per_node=per_node, seed=args.seed,
+                      epoch=args.epoch)  # fmt: skip
 
 
 # -- ls ------------------------------------------------------------------------------------------
@@ -355,6 +377,16 @@ def _parser() -> argparse.ArgumentParser:
         help="this node's rank: it warms samples i with i %% world-size == rank",
     )
     w.add_argument("--world-size", type=int, default=1, help="number of nodes sharing the work (default 1)")
+    w.add_argument(
+        "--nnodes", type=int, default=None,
+        help="warm this node's share of an epoch as training will read it (default: torchrun's variables)",
+    )
+    w.add_argument("--node-rank", type=int, default=None, help="this node (default: GROUP_RANK)")
+    w.add_argument(
+        "--nproc-per-node", type=int, default=None, help="ranks per node (default: LOCAL_WORLD_SIZE, 1)"
+    )
+    w.add_argument("--epoch", type=int, default=0, help="the epoch whose share to warm (default 0)")
+    w.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
     w.add_argument(
         "--buffer-size", default="256MiB", help="fetched bytes held in memory at most (default 256MiB)"
     )

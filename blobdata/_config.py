@@ -6,6 +6,11 @@ Environment variables are read here and only here, when a setting is resolved (n
 ``BLOBDATA_CACHE_HOME``        where manifests are remembered (default ``$XDG_CACHE_HOME/blobdata``
                                or ``~/.cache/blobdata``)
 ``BLOBDATA_CONCURRENCY``       default requests in flight per process (default 64)
+``BLOBDATA_SHARED_DIR``        where rank 0 hands its listing to the other ranks before the process
+                               group exists (default: the cache home; shared by the nodes)
+``BLOBDATA_SHARED_TIMEOUT``    how long a rank waits for it (default 600 s)
+``RANK``, ``WORLD_SIZE``,      torchrun's: this process's place in the job when no process group
+``LOCAL_RANK``, ...            is initialised (``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_PORT``)
 ``AWS_ENDPOINT_URL_S3``,       S3 endpoint (MinIO, SeaweedFS, R2, ...), as boto3 reads them
 ``AWS_ENDPOINT_URL``
 ``STORAGE_EMULATOR_HOST``      GCS endpoint of an emulator, as google-cloud-storage reads it

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -25,9 +26,10 @@ from . import _process, _stats
 from ._cache import BlobCache, CacheWriter
 from ._config import FetchOptions, parse_size
 from ._decode import decode, default_loader
+from ._distributed import shared_manifest
 from ._errors import BlobdataError, CacheError, ConfigError, note_fields
 from ._fetch import FetchEngine
-from ._listing import load_or_list
+from ._listing import listing_params, load_or_list
 from ._loader import BlobLoader
 from ._lookahead import LookAhead, PlanChannel
 from ._loop import get_loop, run, submit
@@ -143,6 +145,9 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                       ahead and doubles per batch up to this depth, so that the first batch does
                       not wait behind a burst of requests.
     lookahead_bytes:  bytes each process may hold staged ahead (default 256MiB).
+    share_listing:    under torchrun or an initialised process group, rank 0 lists and the others
+                      receive its manifest (default True; a collective call: pass False for a dataset
+                      made on one rank only).
     """
 
     def __init__(
@@ -165,6 +170,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         fetch_options: FetchOptions | None = None,
         lookahead: int = 1024,
         lookahead_bytes: int | str = "256MiB",
+        share_listing: bool = True,
     ) -> None:
         url = parse_url(root)
         if on_error not in ("raise", "skip") and not callable(on_error):
@@ -188,7 +194,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         self.lookahead = lookahead
         self.lookahead_bytes = parse_size(lookahead_bytes, name="lookahead_bytes")
         self.errors: list[tuple[str, BlobdataError]] = []
-        self._manifest = load_or_list(
+        make = functools.partial(
+            load_or_list,
             self.root,
             storage_options=resolve_storage_options(self._protocol, self._storage_options),
             refresh=refresh,
@@ -198,6 +205,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             allow_empty=allow_empty,
             fetch_options=self.fetch_options,
         )
+        key = repr(listing_params(extensions, is_valid_file))
+        self._manifest = shared_manifest(self.root, make, key=key) if share_listing else make()
         self.classes: list[str] = list(self._manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._channel: PlanChannel | None = None
@@ -371,7 +380,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         Takes DataLoader's arguments with their meaning: the same arguments and the same seeded
         ``generator`` give exactly the batches ``DataLoader(self, ...)`` gives. Use
         ``sampler=DistributedSampler(ds)`` for DDP (each rank then fetches only its own indices) and
-        call ``sampler.set_epoch(e)`` as usual.
+        call ``sampler.set_epoch(e)`` as usual; ``blobdata.ElasticDistributedSampler`` gives the same
+        order and resumes at another world size. The loader has ``state_dict``/``load_state_dict``.
         """
         return BlobLoader(self, batch_size, shuffle, **kwargs)
 

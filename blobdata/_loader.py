@@ -18,6 +18,7 @@ import torch.utils.data
 
 from ._errors import ConfigError
 from ._lookahead import PlanChannel, PlanningBatchSampler
+from ._resume import Progress, own_generator
 from ._stats import LoaderStats, LoopClock, Records, TimedCollate, TimedIter
 
 __all__ = ["BlobLoader"]
@@ -74,16 +75,19 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
                 raise ConfigError("sampler option is mutually exclusive with shuffle (as in DataLoader)")
             if sampler is None:
                 sampler = (
-                    torch.utils.data.RandomSampler(dataset, generator=generator)
+                    torch.utils.data.RandomSampler(
+                        dataset, generator=generator if generator is not None else own_generator()
+                    )
                     if shuffle
                     else torch.utils.data.SequentialSampler(dataset)
                 )
             batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
         self.channel = PlanChannel()
         attach(self.channel)
+        self.progress = Progress(sampler, batch_size)
         super().__init__(
             dataset,
-            batch_sampler=PlanningBatchSampler(batches, self.channel),
+            batch_sampler=PlanningBatchSampler(batches, self.channel, self.progress),
             num_workers=num_workers,
             collate_fn=TimedCollate(collate_fn or torch.utils.data.default_collate),
             pin_memory=pin_memory,
@@ -106,9 +110,11 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         self._records = Records(self.channel.path)
 
     def __iter__(self) -> Any:
-        """DataLoader's iterator, timed: the seconds the loop waits for batches count in :meth:`stats`,
-        and each epoch's end logs a summary on the ``blobdata`` logger (INFO)."""
-        return TimedIter(super().__iter__, self._clock, self._records)
+        """DataLoader's iterator, counted (for :meth:`state_dict`) and timed: the seconds the loop
+        waits for batches count in :meth:`stats`, and each epoch's end logs a summary on the
+        ``blobdata`` logger (INFO)."""
+        dataloader_iter = super().__iter__
+        return TimedIter(lambda: self.progress.track(dataloader_iter()), self._clock, self._records)
 
     def stats(self) -> LoaderStats:
         """What this loader did so far, summed over the training process and its workers (a
@@ -118,6 +124,21 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         return LoaderStats.from_totals(
             totals, loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands (JSON-friendly, versioned): epoch, batches yielded in it, and the
+        sampler's seed or generator state at the epoch's start. See :mod:`blobdata._resume`."""
+        if not getattr(self, "in_order", True) and self.num_workers > 0:
+            raise ConfigError(
+                "state_dict() needs in_order=True: out of order, the batches yielded are not a prefix"
+            )
+        return self.progress.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next epoch this loader begins resume ``state``'s: same order, minus the batches
+        already yielded (which are not fetched again). At another world size the sampler must be an
+        :class:`~blobdata.ElasticDistributedSampler`."""
+        self.progress.load_state_dict(state)
 
 
 class _WorkerInit:

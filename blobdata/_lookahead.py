@@ -147,15 +147,17 @@ class PlanningBatchSampler:
     ``DistributedSampler`` after ``set_epoch``): this only observes it.
     """
 
-    def __init__(self, batch_sampler: Any, channel: PlanChannel) -> None:
+    def __init__(self, batch_sampler: Any, channel: PlanChannel, progress: Any = None) -> None:
         self.batch_sampler = batch_sampler
         self.channel = channel
+        self.progress = progress  # a resumed epoch drops its first batches before they are planned
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
         # DataLoader (which draws its worker base seed from the generator between iter() and
         # next()), so a seeded generator gives exactly the plain DataLoader's order.
-        batches = [list(b) for b in self.batch_sampler]
+        skip = self.progress.begin() if self.progress is not None else 0
+        batches = [list(b) for b in self.batch_sampler][skip:]
         self.channel.publish(batches)
         yield from batches
 
@@ -164,7 +166,7 @@ class PlanningBatchSampler:
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.
-        if name in ("batch_sampler", "channel"):
+        if name in ("batch_sampler", "channel", "progress"):
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 

@@ -317,12 +317,14 @@ def warm(
     rank: int = 0,
     world_size: int = 1,
     manifest: Any = None,
+    indices: Any = None,
     buffer_size: int | str = "256MiB",
     progress: bool = True,
     dry_run: bool = False,
     out: TextIO | None = None,
 ) -> WarmSummary:
-    """Fill ``cache_dir`` with this rank's share of the objects of ``manifest`` (a Manifest of ``url``).
+    """Fill ``cache_dir`` with this rank's share of the objects of ``manifest`` (a Manifest of ``url``),
+    or with the samples ``indices`` (a node's share of an epoch) when given.
 
     Objects already cached are skipped, so a second run fetches only what is missing. With the
     ``admit`` policy the run stops at the first object that no longer fits. ``buffer_size`` bounds
@@ -341,7 +343,11 @@ def warm(
     limit = parse_size(cache_size, name="--cache-size")
     m = manifest
     summary = WarmSummary(url=m.root)
-    shard = np.arange(rank, len(m), world_size, dtype=np.int64)
+    shard = (
+        np.arange(rank, len(m), world_size, dtype=np.int64)
+        if indices is None
+        else np.unique(np.asarray(indices, dtype=np.int64))
+    )
     summary.shard_objects = len(shard)
     summary.shard_bytes = int(m.sizes[shard].sum())
     cache = open_cache(cache_dir, limit, cache_policy)

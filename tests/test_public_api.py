@@ -14,6 +14,7 @@ def test_all_is_sorted_and_exact() -> None:
         "CacheStats",
         "ConfigError",
         "DecodeError",
+        "ElasticDistributedSampler",
         "EmptyDatasetError",
         "FetchError",
         "FetchOptions",

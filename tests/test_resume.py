@@ -1,0 +1,162 @@
+"""Loader state: resuming reproduces the interrupted epoch's remaining batches exactly, the state is
+small JSON, and an elastic sampler resumes at another world size with each remaining sample once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from blobdata import BlobdataError, ConfigError, ElasticDistributedSampler, FolderDataset, ManifestError
+
+
+def _ids(f: Any) -> int:
+    return int(Path(f.name).stem)
+
+
+@pytest.fixture
+def ds(tmp_path: Path) -> FolderDataset:
+    for i in range(48):
+        d = tmp_path / f"c{i % 3}"
+        d.mkdir(exist_ok=True)
+        (d / f"{i}.png").write_bytes(b"x")
+    return FolderDataset(tmp_path, loader=_ids, lookahead=16)
+
+
+def _ids_of(batch: Any) -> list[int]:
+    return [int(x) for x in batch[0].tolist()]
+
+
+def _make(ds: FolderDataset, how: str, workers: int, world: int = 1, rank: int = 0) -> Any:
+    kw: dict[str, Any] = {"batch_size": 4, "num_workers": workers}
+    if how == "shuffle":
+        return ds.dataloader(shuffle=True, **kw)
+    if how == "generator":
+        return ds.dataloader(shuffle=True, generator=torch.Generator().manual_seed(3), **kw)
+    cls = DistributedSampler if how == "distributed" else ElasticDistributedSampler
+    return ds.dataloader(sampler=cls(ds, num_replicas=world, rank=rank, seed=5), **kw)
+
+
+def _epochs(loader: Any, epochs: range, stop_after: int | None = None) -> tuple[list[list[int]], Any]:
+    out: list[list[int]] = []
+    for epoch in epochs:
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        for k, batch in enumerate(loader):
+            out.append(_ids_of(batch))
+            if stop_after is not None and epoch == epochs[-1] and k + 1 == stop_after:
+                return out, json.loads(json.dumps(loader.state_dict()))
+    return out, json.loads(json.dumps(loader.state_dict()))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("how", ["shuffle", "generator", "distributed", "elastic"])
+def test_resume_mid_epoch_gives_the_uninterrupted_batches(ds: FolderDataset, how: str, workers: int) -> None:
+    torch.manual_seed(11)
+    full, _ = _epochs(_make(ds, how, workers, world=2), range(3))
+    torch.manual_seed(11)
+    first, state = _epochs(_make(ds, how, workers, world=2), range(2), stop_after=3)
+    assert state["batches"] == 3 and state["epoch"] == 1 and not state["complete"]
+    assert len(json.dumps(state)) < 8000  # no per-sample list
+    torch.manual_seed(999)  # a fresh process: another global RNG
+    resumed = _make(ds, how, workers, world=2)
+    resumed.load_state_dict(state)
+    rest, _ = _epochs(resumed, range(1, 3))
+    assert first + rest == full
+
+
+def test_resume_after_a_complete_epoch_starts_the_next(ds: FolderDataset) -> None:
+    full, _ = _epochs(_make(ds, "generator", 0), range(2))
+    first, state = _epochs(_make(ds, "generator", 0), range(1))
+    assert state["complete"]
+    resumed = _make(ds, "generator", 0)
+    resumed.load_state_dict(state)
+    rest, _ = _epochs(resumed, range(1, 2))
+    assert first + rest == full
+
+
+@pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
+def test_elastic_resume_at_another_world_size_sees_the_rest_once(
+    ds: FolderDataset, before: int, after: int
+) -> None:
+    loaders = [_make(ds, "elastic", 0, world=before, rank=r) for r in range(before)]
+    seen: list[int] = []
+    states = []
+    for loader in loaders:  # in lockstep: every rank 3 batches
+        loader.sampler.set_epoch(0)
+        it = iter(loader)
+        for _ in range(3):
+            seen += _ids_of(next(it))
+        states.append(loader.state_dict())
+    assert all(s == states[0] for s in states)  # rank-independent
+    rest: list[int] = []
+    for r in range(after):
+        loader = _make(ds, "elastic", 0, world=after, rank=r)
+        loader.load_state_dict(states[0])
+        loader.sampler.set_epoch(0)
+        rest += [i for b in loader for i in _ids_of(b)]
+    assert len(seen) == 3 * 4 * before
+    assert sorted(seen + rest) == list(range(48))
+
+
+def test_plain_distributed_sampler_refuses_another_world_size(ds: FolderDataset) -> None:
+    _, state = _epochs(_make(ds, "distributed", 0, world=4), range(1), stop_after=1)
+    with pytest.raises(ConfigError, match="ElasticDistributedSampler"):
+        _make(ds, "distributed", 0, world=2).load_state_dict(state)
+
+
+def test_elastic_sampler_is_distributed_samplers_order(ds: FolderDataset) -> None:
+    for r in range(3):
+        a, b = DistributedSampler(ds, 3, r, seed=4), ElasticDistributedSampler(ds, 3, r, seed=4)
+        a.set_epoch(2)
+        b.set_epoch(2)
+        assert list(a) == list(b) and len(a) == len(b)
+
+
+def test_bad_state_is_refused(ds: FolderDataset) -> None:
+    loader = _make(ds, "shuffle", 0)
+    with pytest.raises(ConfigError, match="version"):
+        loader.load_state_dict({"version": 99})
+    with pytest.raises(ConfigError, match="sampler"):
+        loader.load_state_dict({**_make(ds, "distributed", 0).state_dict()})
+
+
+def test_a_rank_waiting_for_rank_0s_listing_gives_up_with_a_clear_error(
+    ds: FolderDataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "BLOBDATA_SHARED_TIMEOUT": "0.3"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("BLOBDATA_SHARED_DIR", str(tmp_path / "shared"))
+    with pytest.raises(
+        ManifestError, match=r"waited 0s for rank 0's listing of file://.*BLOBDATA_SHARED_DIR"
+    ):
+        FolderDataset(ds.root, loader=_ids)
+
+
+def test_rank_0s_listing_reaches_the_other_ranks_over_the_shared_file(
+    ds: FolderDataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("BLOBDATA_SHARED_DIR", str(tmp_path / "shared"))
+    monkeypatch.setenv("RANK", "0")
+    first = FolderDataset(ds.root, loader=_ids)
+    (Path(ds.root[len("file://") :]) / "c0" / "new.png").write_bytes(b"x")  # the folder changes
+    monkeypatch.setenv("RANK", "1")
+    second = FolderDataset(ds.root, loader=_ids)  # gets rank 0's table, not a new listing
+    assert second.manifest.to_bytes() == first.manifest.to_bytes() and len(second) == 48
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(BlobdataError):
+        FolderDataset(str(tmp_path / "missing"), loader=_ids)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ManifestError, match="rank 0 could not list"):
+        FolderDataset(str(tmp_path / "missing"), loader=_ids)
+
+
+def test_out_of_order_loaders_have_no_resumable_state(ds: FolderDataset) -> None:
+    loader = ds.dataloader(batch_size=4, num_workers=2, in_order=False)
+    with pytest.raises(ConfigError, match="in_order=True"):
+        loader.state_dict()
