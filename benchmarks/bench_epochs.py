@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from blobdata import FolderDataset
+from blobdata import BlobCache, FolderDataset
 from blobdata._config import parse_size
 from blobdata._demo import upload
 from blobdata._servers import LocalS3Server, s3_client
@@ -51,10 +51,8 @@ def run_policy(
         url,
         loader=nbytes,
         storage_options=opts,
-        cache_dir=os.path.join(workdir, policy),
-        cache_size=cache_bytes,
-        cache_policy=policy,
-    )  # type: ignore[arg-type]
+        cache=BlobCache(os.path.join(workdir, policy), size_limit=cache_bytes, policy=policy),  # type: ignore[arg-type]
+    )
     loader = ds.dataloader(
         batch_size=32,
         shuffle=True,
@@ -71,8 +69,6 @@ def run_policy(
         gets = sum(1 for method, path in proxy.requests if method == "GET" and "list-type" not in path)
         out.append((1.0 - gets / seen, dt))
     del loader
-    from blobdata import BlobCache
-
     cache = BlobCache(os.path.join(workdir, policy), size_limit=cache_bytes, policy=policy)  # type: ignore[arg-type]
     with cache:
         stats = cache.stats()

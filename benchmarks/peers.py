@@ -227,7 +227,7 @@ def litdata(t: Target) -> Prepared:
 def _blobdata_loader(t: Target, cache_dir: str | None) -> tuple[Any, Any, float]:
     """(dataset, loader, listing seconds) of a FolderDataset over the bucket, fresh manifest home."""
     os.environ["BLOBDATA_CACHE_HOME"] = os.path.join(t.scratch, "blobdata-home")
-    from blobdata import FolderDataset
+    from blobdata import BlobCache, FolderDataset
     from blobdata._demo import TrainTransform
 
     t0 = time.perf_counter()
@@ -235,8 +235,7 @@ def _blobdata_loader(t: Target, cache_dir: str | None) -> tuple[Any, Any, float]
         f"s3://{t.bucket}/{t.image_prefix}",
         transform=TrainTransform(224),
         storage_options=t.s3fs_options(),
-        cache_dir=cache_dir,
-        cache_size="50GB",
+        cache=BlobCache(cache_dir, size_limit="50GB") if cache_dir else None,
     )
     setup = time.perf_counter() - t0
     if len(ds) != len(t.keys):

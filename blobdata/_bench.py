@@ -179,6 +179,7 @@ def run_bench(
     stack). The timeline has about ``points`` points. ``dataset_kwargs`` go to
     :class:`~blobdata.FolderDataset` (manifest, refresh, fetch_options, extensions).
     """
+    from ._cache import BlobCache
     from ._dataset import FolderDataset
 
     if batches < 1 or batch_size < 1 or workers < 0:
@@ -187,8 +188,7 @@ def run_bench(
         url,
         transform=transform,
         storage_options=storage_options,
-        cache_dir=cache_dir,
-        cache_size=cache_size,
+        cache=BlobCache(cache_dir, size_limit=cache_size) if cache_dir else None,
         lookahead=lookahead,
         **(dataset_kwargs or {}),
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,9 @@ _SIZE_UNITS = {
     "ti": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0}
+_DURATION_UNITS = {
+    "": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
+}  # fmt: skip
 
 
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
@@ -109,14 +112,19 @@ def cache_home() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "blobdata"
 
 
+#: How long a remembered bucket listing is reused before the bucket is listed again (``listing_max_age``).
+DEFAULT_LISTING_MAX_AGE = "7d"
+
+
 @dataclasses.dataclass(frozen=True)
 class FetchOptions:
     """How objects are fetched. Keyword-only; sizes and durations accept human forms.
 
     concurrency:     requests in flight per process (default 64; ``BLOBDATA_CONCURRENCY``).
     timeout:         per-request deadline in seconds, connect to last byte (default 30).
-    retries:         total attempts per request, the first included (default 6); throttling,
-                     5xx, timeouts and connection resets are retried, 403/404 never.
+    attempts:        attempts per request in total, the first included (default 6; 1 = no retry);
+                     throttling, 5xx, timeouts and connection resets are retried, 403/404 never.
+                     (``retries=`` is its former, deprecated name.)
     backoff:         first backoff in seconds, doubled each retry with full jitter (default 0.1).
     max_backoff:     cap of a single backoff in seconds (default 5).
     part_size:       objects larger than this are fetched as parallel range requests (default 8 MiB).
@@ -124,7 +132,7 @@ class FetchOptions:
 
     concurrency: int = 64
     timeout: float = 30.0
-    retries: int = 6
+    attempts: int = 6
     backoff: float = 0.1
     max_backoff: float = 5.0
     part_size: int = 8 * 1024**2
@@ -134,7 +142,8 @@ class FetchOptions:
         *,
         concurrency: int | None = None,
         timeout: float | str = 30.0,
-        retries: int = 6,
+        attempts: int | None = None,
+        retries: int | None = None,
         backoff: float | str = 0.1,
         max_backoff: float | str = 5.0,
         part_size: int | str = 8 * 1024**2,
@@ -147,9 +156,23 @@ class FetchOptions:
                 raise ConfigError(f"BLOBDATA_CONCURRENCY must be an integer, got {raw!r}") from None
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
-        if not isinstance(retries, int) or retries < 1:
+        if retries is not None:
+            warnings.warn(
+                "FetchOptions(retries=) is deprecated: it counts attempts, the first included; pass "
+                "attempts= instead",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if attempts is not None and attempts != retries:
+                raise ConfigError(
+                    f"attempts={attempts!r} and retries={retries!r} disagree: pass attempts only"
+                )
+            attempts = retries
+        if attempts is None:
+            attempts = 6
+        if not isinstance(attempts, int) or isinstance(attempts, bool) or attempts < 1:
             raise ConfigError(
-                f"retries must be an integer >= 1 (attempts, the first included), got {retries!r}"
+                f"attempts must be an integer >= 1 (the first attempt included), got {attempts!r}"
             )
         part = parse_size(part_size, name="part_size")
         if part < 1024 * 64:
@@ -157,10 +180,15 @@ class FetchOptions:
         set_ = object.__setattr__
         set_(self, "concurrency", concurrency)
         set_(self, "timeout", parse_duration(timeout, name="timeout"))
-        set_(self, "retries", retries)
+        set_(self, "attempts", attempts)
         set_(self, "backoff", parse_duration(backoff, name="backoff"))
         set_(self, "max_backoff", parse_duration(max_backoff, name="max_backoff"))
         set_(self, "part_size", part)
+
+    @property
+    def retries(self) -> int:
+        """Deprecated name of :attr:`attempts` (which it always was: attempts, the first included)."""
+        return self.attempts
 
     def replace(self, **changes: Any) -> FetchOptions:
         """A copy with ``changes`` applied (validated as the constructor validates)."""

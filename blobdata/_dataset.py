@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, overload
@@ -24,10 +25,10 @@ import torch.utils.data
 
 from . import _process, _stats
 from ._cache import BlobCache, CacheWriter
-from ._config import FetchOptions, parse_size
+from ._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_size
 from ._decode import decode, default_loader
 from ._distributed import shared_manifest
-from ._errors import BlobdataError, CacheError, ConfigError, note_fields
+from ._errors import BlobdataError, ConfigError, note_fields
 from ._fetch import FetchEngine
 from ._listing import listing_params, load_or_list
 from ._loader import BlobLoader
@@ -89,6 +90,35 @@ class _Targets(Sequence[int]):
         return iter(self._t.tolist())
 
 
+def _resolve_cache(
+    cache: str | os.PathLike[str] | BlobCache | None,
+    cache_dir: str | os.PathLike[str] | None,
+    cache_size: int | str | None,
+    cache_policy: Literal["admit", "lru"] | None,
+) -> BlobCache | None:
+    """The dataset's cache from ``cache=`` (or the deprecated spellings), opened once here so that an
+    unusable directory is an error now, not a warning per worker later."""
+    if cache_dir is not None or cache_size is not None or cache_policy is not None:
+        warnings.warn(
+            "FolderDataset(cache_dir=, cache_size=, cache_policy=) are deprecated: pass cache=DIR, or "
+            "cache=BlobCache(DIR, size_limit=..., policy=...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if cache is not None:
+            raise ConfigError(
+                "pass cache= only (cache_dir=, cache_size= and cache_policy= are its old names)"
+            )
+        if cache_dir is None:
+            return None
+        cache = BlobCache(cache_dir, size_limit=cache_size or "100GB", policy=cache_policy or "admit")
+    if cache is None or isinstance(cache, BlobCache):
+        return cache
+    if not isinstance(cache, (str, os.PathLike)):
+        raise ConfigError(f"cache must be a directory or a BlobCache, got {type(cache).__name__}")
+    return BlobCache(cache)
+
+
 class _Process:
     """Per-process handles: fetch engine, cache, staging area. Never pickled."""
 
@@ -97,14 +127,8 @@ class _Process:
         self.engine = FetchEngine(
             ds.fetch_options, ds._protocol, resolve_storage_options(ds._protocol, ds._storage_options)
         )
-        self.cache: BlobCache | None = None
-        if ds.cache_dir is not None:
-            try:
-                self.cache = BlobCache(ds.cache_dir, size_limit=ds.cache_size, policy=ds.cache_policy)
-            except (CacheError, OSError) as exc:
-                log.warning(
-                    "blobdata: cache %s unusable, reading from the network only: %s", ds.cache_dir, exc
-                )
+        # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
+        self.cache: BlobCache | None = ds.cache
         self.writer = CacheWriter(self.cache) if self.cache is not None else None
         self.lookahead: LookAhead | None = None
         # Connections belong to this process's loop: close them there when this state goes away
@@ -128,18 +152,21 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
 
     storage_options:  fsspec options of the backend (endpoint, credentials); the environment's usual
                       variables apply where these are silent.
-    cache_dir:        a local directory (an SSD) that keeps fetched objects across epochs and jobs;
-                      None (default) caches nothing.
-    cache_size:       the cache's size bound, bytes or ``"100GB"`` (default 100GB).
-    cache_policy:     ``"admit"`` (default; best for shuffled epochs: keep what was admitted once full)
-                      or ``"lru"``.
+    cache:            a local directory (an SSD) that keeps fetched objects across epochs and jobs
+                      (100GB, policy "admit"), or a :class:`BlobCache` for other settings
+                      (``BlobCache(dir, size_limit="500GB", policy="lru")``); None (default) caches
+                      nothing. A directory that cannot be used raises :class:`CacheError` here; a full
+                      disk later only stops caching. (``cache_dir=``, ``cache_size=`` and
+                      ``cache_policy=`` are its deprecated former spellings.)
     manifest:         a precomputed listing (local path or URL) to use instead of listing the bucket.
     refresh:          list the bucket again even if a remembered listing exists (default False).
+    listing_max_age:  how long a remembered bucket listing is reused, seconds or ``"1d"`` (default
+                      ``"7d"``; None: forever). Local folders are listed afresh every time.
     on_error:         ``"raise"`` (default): a sample that cannot be fetched or decoded raises an error
                       naming its URL. ``"skip"``: it is dropped from its batch (``__getitem__`` returns the
                       next good sample) and reported as a warning on the ``blobdata`` logger and in
                       :attr:`errors`. A callable ``(url, exc)`` skips and is called for each bad sample.
-    fetch_options:    :class:`FetchOptions` (requests in flight, deadline, retries, part size).
+    fetch_options:    :class:`FetchOptions` (requests in flight, timeout, attempts, part size).
     lookahead:        samples each process fetches ahead of the sampler's order (default 1024; 0 disables);
                       effective with loaders from :meth:`dataloader`. Each epoch starts two batches
                       ahead and doubles per batch up to this depth, so that the first batch does
@@ -161,22 +188,23 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         allow_empty: bool = False,
         *,
         storage_options: Mapping[str, Any] | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_size: int | str = "100GB",
-        cache_policy: Literal["admit", "lru"] = "admit",
+        cache: str | os.PathLike[str] | BlobCache | None = None,
         manifest: str | os.PathLike[str] | None = None,
         refresh: bool = False,
+        listing_max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
         on_error: OnError = "raise",
         fetch_options: FetchOptions | None = None,
         lookahead: int = 1024,
         lookahead_bytes: int | str = "256MiB",
         share_listing: bool = True,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_size: int | str | None = None,
+        cache_policy: Literal["admit", "lru"] | None = None,
     ) -> None:
         url = parse_url(root)
+        self.cache = _resolve_cache(cache, cache_dir, cache_size, cache_policy)
         if on_error not in ("raise", "skip") and not callable(on_error):
             raise ConfigError(f"on_error must be 'raise', 'skip' or a callable, got {on_error!r}")
-        if cache_policy not in ("admit", "lru"):
-            raise ConfigError(f"cache_policy must be 'admit' or 'lru', got {cache_policy!r}")
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
         self.root = str(url)
@@ -187,9 +215,6 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         self.loader = loader if loader is not None else default_loader
         self.extensions = extensions
         self.fetch_options = fetch_options if fetch_options is not None else FetchOptions()
-        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
-        self.cache_size = parse_size(cache_size, name="cache_size")
-        self.cache_policy = cache_policy
         self.on_error = on_error
         self.lookahead = lookahead
         self.lookahead_bytes = parse_size(lookahead_bytes, name="lookahead_bytes")
@@ -204,6 +229,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             is_valid_file=is_valid_file,
             allow_empty=allow_empty,
             fetch_options=self.fetch_options,
+            max_age=listing_max_age,
         )
         key = repr(listing_params(extensions, is_valid_file))
         self._manifest = shared_manifest(self.root, make, key=key) if share_listing else make()
@@ -211,6 +237,16 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._channel: PlanChannel | None = None
         self._proc: _Process | None = None
+
+    @property
+    def cache_dir(self) -> str | None:
+        """The cache's directory, or None without a cache."""
+        return self.cache.directory if self.cache is not None else None
+
+    @property
+    def cache_size(self) -> int | None:
+        """The cache's size bound in bytes, or None without a cache."""
+        return self.cache.size_limit if self.cache is not None else None
 
     # -- ImageFolder compatibility -------------------------------------------------------------
     @property

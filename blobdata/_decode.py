@@ -9,7 +9,10 @@ URL), so loaders written for paths that accept file objects, such as ``PIL.Image
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import tempfile
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,12 +28,44 @@ IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
 
 
 class ObjectFile(io.BytesIO):
-    """The fetched bytes of one object as a binary file; ``name`` and ``url`` are the object URL."""
+    """The fetched bytes of one object as a binary file; ``name`` and ``url`` are the object URL.
+
+    It is also a path (``os.PathLike``): an ImageFolder-style ``loader(path)`` that calls
+    ``open(path, "rb")`` gets a private temporary copy of the bytes (mode 0600, same file suffix as the
+    object), removed when the loader returns. Loaders that read the file object pay nothing for it.
+    """
 
     def __init__(self, data: bytes, url: str) -> None:
         super().__init__(data)
         self.name = url
         self.url = url
+        self._path: str | None = None
+
+    def __fspath__(self) -> str:
+        if self._path is None:
+            suffix = os.path.splitext(self.url.rsplit("/", 1)[-1])[1][:16]
+            fd, path = tempfile.mkstemp(prefix="blobdata-", suffix=suffix, dir=_tmp_dir())
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(self.getbuffer())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+            self._path = path
+        return self._path
+
+    def discard(self) -> None:
+        """Remove the temporary copy, if one was made."""
+        path, self._path = self._path, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+def _tmp_dir() -> str | None:
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
 def default_loader(file: ObjectFile) -> Image.Image:
@@ -46,8 +81,9 @@ def default_loader(file: ObjectFile) -> Image.Image:
 
 def decode(data: bytes, url: str, loader: Callable[[Any], Any]) -> Any:
     """Run ``loader`` on the bytes of ``url``; any failure becomes a :class:`DecodeError` naming the URL."""
+    file = ObjectFile(data, url)
     try:
-        return loader(ObjectFile(data, url))
+        return loader(file)
     except DecodeError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -67,3 +103,5 @@ def decode(data: bytes, url: str, loader: Callable[[Any], Any]) -> Any:
         raise DecodeError(
             f"cannot decode {url} ({len(data)} bytes): {type(exc).__name__}: {exc}", url=url
         ) from exc
+    finally:
+        file.discard()

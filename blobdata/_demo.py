@@ -105,6 +105,7 @@ def upload(client: Any, bucket: str, objects: Iterator[tuple[str, bytes]], *, th
 
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns a process exit code."""
+    from ._cache import BlobCache
     from ._dataset import FolderDataset
     from ._servers import LocalS3Server
 
@@ -143,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             "s3://demo/train",
             transform=TrainTransform(),
             storage_options=server.storage_options,
-            cache_dir=f"{tmp}/cache",
-            cache_size="2GB",
+            cache=BlobCache(f"{tmp}/cache", size_limit="2GB"),
         )
         print(f"listed {len(ds)} samples in {len(ds.classes)} classes in {time.perf_counter() - t0:.2f}s")
         loader = ds.dataloader(batch_size=args.batch_size, shuffle=True, num_workers=args.workers)

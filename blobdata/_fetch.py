@@ -46,7 +46,7 @@ class FetchEngine:
     """Turns object URLs into bytes for one protocol and one set of storage options.
 
     ``options.concurrency`` bounds the requests in flight in this process (range parts included);
-    each request gets ``options.timeout`` seconds and ``options.retries`` attempts in total.
+    each request gets ``options.timeout`` seconds and ``options.attempts`` attempts in total.
     The reader and semaphore are created per process and event loop, so an engine inherited
     through fork, or unpickled in a spawn child, works there too.
     """

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import _progress
-from ._config import FetchOptions
+from ._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_duration
 from ._errors import (
     BlobdataError,
     ConfigError,
@@ -35,7 +35,7 @@ from ._loop import run
 from ._manifest import Manifest, manifest_path
 from ._retry import final_error
 from ._stores import Entry, Lister, identity_from_info, lister_for
-from ._stores.options import options_token, resolve_storage_options
+from ._stores.options import listing_scope, resolve_storage_options
 from ._url import BlobURL, parse_url
 
 __all__ = ["IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list"]
@@ -228,6 +228,13 @@ def list_folder(
     return manifest
 
 
+def _human_age(seconds: float) -> str:
+    for unit, n in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= n:
+            return f"{seconds / n:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def _listing_options(fetch_options: FetchOptions | None, concurrency: int | None, root: str) -> FetchOptions:
     options = fetch_options if fetch_options is not None else FetchOptions()
     if concurrency is not None:
@@ -250,6 +257,7 @@ def load_or_list(
     fetch_options: FetchOptions | None = None,
     save: bool = True,
     progress: bool | None = None,
+    max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
 ) -> Manifest:
     """The remembered listing of ``url``.
 
@@ -273,17 +281,28 @@ def load_or_list(
             _check_nonempty(loaded, exts)
         return loaded
     params = listing_params(extensions, is_valid_file)
-    remember = save and parsed.protocol != "memory"
-    path = manifest_path(root, options_token(parsed.protocol, opts), params)
+    # Local folders are listed afresh every time, as ImageFolder does (it costs a directory walk);
+    # memory:// lives and dies with the process.
+    remember = save and parsed.protocol not in ("memory", "file")
+    limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
+    path = manifest_path(root, listing_scope(parsed.protocol, opts), params)
     if remember and not refresh and path.exists():
         try:
             loaded = Manifest.load(path, expect_root=root)
         except (ManifestError, NotFound) as exc:
             logger.warning("remembered listing %s is unusable (%s); listing %s again", path, exc, root)
         else:
-            if not allow_empty:
-                _check_nonempty(loaded, exts)
-            return loaded
+            age = max(0.0, time.time() - loaded.listed_at)
+            if limit is not None and age > limit:
+                logger.info("remembered listing of %s is %s old (listing_max_age=%s): listing again",
+                            root, _human_age(age), max_age)  # fmt: skip
+            else:
+                logger.info("using the remembered listing of %s from %s ago (%d samples); pass "
+                            "refresh=True (blobdata ls --refresh) to list the bucket again",
+                            root, _human_age(age), len(loaded))  # fmt: skip
+                if not allow_empty:
+                    _check_nonempty(loaded, exts)
+                return loaded
     listed = list_folder(
         url,
         storage_options=storage_options,

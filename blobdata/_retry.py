@@ -3,7 +3,7 @@
 Stores make exactly one attempt per call and raise :class:`~blobdata._errors.TransientError` for
 what may be retried; :func:`with_retries` owns the only retry loop (exponential backoff with full
 jitter, raised to the store's Retry-After), so retries never stack with a client library's own.
-``FetchOptions.retries`` counts attempts in total (1 means no retry).
+``FetchOptions.attempts`` counts attempts in total (1 means no retry).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ async def with_retries(
 ) -> T:
     """Await ``call()`` under the retry budget of ``options``.
 
-    ``options.retries`` attempts in total, exponential backoff from ``options.backoff`` seconds with
+    ``options.attempts`` in total, exponential backoff from ``options.backoff`` seconds with
     full jitter, capped at ``options.max_backoff`` and raised to the store's Retry-After. Only
     :class:`TransientError` is retried; the last one becomes Throttled, FetchTimeout or FetchError
     naming ``url``, chained to it. ``on_error(exc, will_retry)`` sees every transient failure.
@@ -41,7 +41,7 @@ async def with_retries(
         try:
             return await call()
         except TransientError as exc:
-            retry = attempt < options.retries
+            retry = attempt < options.attempts
             if on_error is not None:
                 on_error(exc, retry)
             if not retry:

@@ -32,7 +32,7 @@ class BucketData(L.LightningDataModule):
         self.url, self.batch_size, self.num_workers, self.cache_dir = url, batch_size, num_workers, cache_dir
 
     def setup(self, stage: str) -> None:
-        self.ds = FolderDataset(self.url, loader=first_bytes, cache_dir=self.cache_dir)
+        self.ds = FolderDataset(self.url, loader=first_bytes, cache=self.cache_dir)
 
     def train_dataloader(self) -> Any:
         sampler = ElasticDistributedSampler(self.ds, seed=0)  # rank and world size from the job

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from blobdata import FolderDataset
+from blobdata import BlobCache, FolderDataset
 
 
 def make_transform():
@@ -44,8 +44,7 @@ def main() -> None:
         args.url,
         transform=make_transform(),
         storage_options=options,
-        cache_dir=args.cache_dir,
-        cache_size=args.cache_size,
+        cache=BlobCache(args.cache_dir, size_limit=args.cache_size) if args.cache_dir else None,
     )
     print(ds)
     # A standard DataLoader; dataloader() only lets blobdata see the order so it can fetch ahead.

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from blobdata import FolderDataset
+from blobdata import BlobCache, FolderDataset
 
 
 def build(num_classes: int):
@@ -81,7 +81,8 @@ def main() -> None:
         f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     )
 
-    ds = FolderDataset(args.url, cache_dir=args.cache_dir, cache_size=args.cache_size)
+    cache = BlobCache(args.cache_dir, size_limit=args.cache_size) if args.cache_dir else None
+    ds = FolderDataset(args.url, cache=cache)
     model, ds.transform = build(len(ds.classes))
     model = model.to(device).to(memory_format=torch.channels_last)
     if distributed:

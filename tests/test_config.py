@@ -57,9 +57,20 @@ def test_fetch_options_are_keyword_only_frozen_and_validated(monkeypatch: pytest
     with pytest.raises(ConfigError):
         FetchOptions(concurrency=0)
     with pytest.raises(ConfigError):
-        FetchOptions(retries=0)
+        FetchOptions(attempts=0)
     monkeypatch.setenv("BLOBDATA_CONCURRENCY", "128")
     assert FetchOptions().concurrency == 128
     monkeypatch.setenv("BLOBDATA_CONCURRENCY", "lots")
     with pytest.raises(ConfigError, match="BLOBDATA_CONCURRENCY"):
         FetchOptions()
+
+
+def test_retries_is_a_deprecated_name_of_attempts() -> None:
+    with pytest.warns(DeprecationWarning, match="attempts="):
+        opts = FetchOptions(retries=3)
+    assert opts.attempts == 3 and opts.retries == 3
+    assert FetchOptions(attempts=2).retries == 2
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="disagree"):
+        FetchOptions(attempts=2, retries=3)
+    with pytest.raises(ConfigError, match="attempts"):
+        FetchOptions(attempts=True)

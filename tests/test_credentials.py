@@ -31,7 +31,7 @@ LOGGERS = (
     "blobdata", "s3fs", "botocore", "aiobotocore", "urllib3", "azure", "gcsfs", "google.auth",
     "google", "fsspec", "aiohttp", "adlfs",
 )  # fmt: skip
-FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.05, "timeout": 15.0, "retries": 2}
+FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.05, "timeout": 15.0, "attempts": 2}
 ROOT = Path(__file__).resolve().parent.parent
 
 

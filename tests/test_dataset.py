@@ -15,6 +15,7 @@ from PIL import Image
 
 from blobdata import (
     AccessDenied,
+    BlobCache,
     DecodeError,
     EmptyDatasetError,
     FetchOptions,
@@ -208,7 +209,7 @@ def test_wrong_endpoint_fails_fast_with_the_url(s3_bucket: Any) -> None:
     opts = dict(s3_bucket.storage_options, endpoint_url=f"http://127.0.0.1:{find_free_port()}")
     with pytest.raises(OSError) as info:
         FolderDataset(
-            s3_bucket.url("x"), storage_options=opts, fetch_options=FetchOptions(retries=2, timeout=5)
+            s3_bucket.url("x"), storage_options=opts, fetch_options=FetchOptions(attempts=2, timeout=5)
         )
     assert s3_bucket.name in str(info.value)
 
@@ -257,7 +258,7 @@ def test_keys_as_they_come(verbatim_s3: Any, tmp_path: Any) -> None:
         loader=lambda f: f.read(),
         storage_options=s3_bucket.storage_options,
         allow_empty=True,
-        cache_dir=str(cache),
+        cache=str(cache),
         refresh=True,
     )
     assert ds.classes == ["c", "d"]
@@ -359,8 +360,7 @@ def test_cached_epoch_reads_nothing_from_the_bucket(s3_bucket: Any, s3_proxy: An
         s3_bucket.url("w"),
         loader=_sum_loader,
         storage_options=s3_proxy.storage_options,
-        cache_dir=str(tmp_path / "cache"),
-        cache_size="10MB",
+        cache=BlobCache(str(tmp_path / "cache"), size_limit="10MB"),
     )
     loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2)
     first = sorted(int(s) for sums, _ in loader for s in sums)

@@ -65,7 +65,7 @@ def test_fetch_many_round_trip_and_stats(s3_bucket: Any, close_engines: Any) -> 
 @pytest.mark.parametrize("mode", ["status503", "status500", "reset", "close"])
 def test_transient_failures_are_retried(s3_bucket: Any, s3_proxy: Any, close_engines: Any, mode: str) -> None:
     s3_bucket.put("a.bin", b"payload" * 100)
-    engine = _engine(s3_proxy.storage_options, retries=4)
+    engine = _engine(s3_proxy.storage_options, attempts=4)
     close_engines(engine)
     _fetch(engine, s3_bucket.url("a.bin"))  # warm connection
     engine.reset_stats()
@@ -79,7 +79,7 @@ def test_transient_failures_are_retried(s3_bucket: Any, s3_proxy: Any, close_eng
 
 def test_retries_exhausted_is_throttled(s3_bucket: Any, s3_proxy: Any, close_engines: Any) -> None:
     s3_bucket.put("a.bin", b"x")
-    engine = _engine(s3_proxy.storage_options, retries=3)
+    engine = _engine(s3_proxy.storage_options, attempts=3)
     close_engines(engine)
     s3_proxy.fail_next(50, "status503")
     before = len(s3_proxy.requests)
@@ -92,7 +92,7 @@ def test_retries_exhausted_is_throttled(s3_bucket: Any, s3_proxy: Any, close_eng
 
 def test_server_errors_exhausted_is_fetch_error(s3_bucket: Any, s3_proxy: Any, close_engines: Any) -> None:
     s3_bucket.put("a.bin", b"x")
-    engine = _engine(s3_proxy.storage_options, retries=2)
+    engine = _engine(s3_proxy.storage_options, attempts=2)
     close_engines(engine)
     s3_proxy.fail_next(50, "status500")
     with pytest.raises(FetchError, match="2 attempts") as info:
@@ -102,7 +102,7 @@ def test_server_errors_exhausted_is_fetch_error(s3_bucket: Any, s3_proxy: Any, c
 
 def test_stall_is_fetch_timeout_in_bounded_time(s3_bucket: Any, s3_proxy: Any, close_engines: Any) -> None:
     s3_bucket.put("a.bin", b"x")
-    engine = _engine(s3_proxy.storage_options, retries=2, timeout=0.5)
+    engine = _engine(s3_proxy.storage_options, attempts=2, timeout=0.5)
     close_engines(engine)
     s3_proxy.fail_next(50, "stall")
     t0 = time.monotonic()
@@ -114,7 +114,7 @@ def test_stall_is_fetch_timeout_in_bounded_time(s3_bucket: Any, s3_proxy: Any, c
 
 def test_not_retried_errors(s3_bucket: Any, s3_proxy: Any, close_engines: Any) -> None:
     s3_bucket.put("a.bin", b"x")
-    engine = _engine(s3_proxy.storage_options, retries=5)
+    engine = _engine(s3_proxy.storage_options, attempts=5)
     close_engines(engine)
     before = len(s3_proxy.requests)
     with pytest.raises(NotFound):
@@ -122,7 +122,7 @@ def test_not_retried_errors(s3_bucket: Any, s3_proxy: Any, close_engines: Any) -
     with pytest.raises(ObjectChanged):
         _fetch(engine, s3_bucket.url("a.bin"), identity="ffffffffffffffffffffffffffffffff")
     assert len(s3_proxy.requests) - before == 2
-    bad = _engine(dict(s3_proxy.storage_options, secret="wrong-secret-xyz"), retries=5)
+    bad = _engine(dict(s3_proxy.storage_options, secret="wrong-secret-xyz"), attempts=5)
     close_engines(bad)
     with pytest.raises(PermissionError) as info:
         _fetch(bad, s3_bucket.url("a.bin"))

@@ -61,7 +61,7 @@ def test_listing_obeys_timeout_and_attempts() -> None:
         opts = {"endpoint_url": endpoint, "key": "k", "secret": "s"}
         with pytest.raises(FetchTimeout) as info:
             FolderDataset(
-                "s3://bucket/train", storage_options=opts, fetch_options=FetchOptions(timeout=1, retries=2)
+                "s3://bucket/train", storage_options=opts, fetch_options=FetchOptions(timeout=1, attempts=2)
             )
         assert "s3://bucket/train" in str(info.value) and "1s" in str(info.value)
         assert info.value.url == "s3://bucket/train"
@@ -75,7 +75,7 @@ def test_listing_through_s3fs_obeys_timeout() -> None:
         opts = {"endpoint_url": endpoint, "key": "k", "secret": "s", "version_aware": True}
         with pytest.raises(FetchTimeout):
             FolderDataset(
-                "s3://bucket/train", storage_options=opts, fetch_options=FetchOptions(timeout=1, retries=2)
+                "s3://bucket/train", storage_options=opts, fetch_options=FetchOptions(timeout=1, attempts=2)
             )
 
 
@@ -98,7 +98,7 @@ def _truncating(full: bytes, truncated_connections: int) -> Any:
 
 def _engine_fetch(endpoint: str, size: int, identity: str | None) -> tuple[FetchEngine, Any]:
     engine = FetchEngine(
-        FetchOptions(retries=3, backoff=0.01), "s3", {"endpoint_url": endpoint, "anon": True}
+        FetchOptions(attempts=3, backoff=0.01), "s3", {"endpoint_url": endpoint, "anon": True}
     )
     try:
         return engine, run(engine.fetch("s3://bucket/obj", size=size, identity=identity), 30)

@@ -541,7 +541,7 @@ def test_list_page_errors(s3_bucket: Any) -> None:
 def test_list_retries_share_one_budget(s3_bucket: Any, s3_proxy: Any) -> None:
     s3_bucket.put("p/k.bin", b"x")
     reader = S3Reader(s3_proxy.storage_options)
-    opts = FetchOptions(retries=3, backoff=0.01)
+    opts = FetchOptions(attempts=3, backoff=0.01)
 
     def call() -> Any:
         return reader.list_page(s3_bucket.name, "p/", delimiter=None, continuation=None, timeout=10)

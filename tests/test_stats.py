@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blobdata import FetchOptions, FolderDataset, LoaderStats
+from blobdata import BlobCache, FetchOptions, FolderDataset, LoaderStats
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,8 +44,7 @@ def test_stats_add_up(
         s3_bucket.url("d"),
         loader=_sum_loader,
         storage_options=s3_proxy.storage_options,
-        cache_dir=str(tmp_path / "cache"),
-        cache_size="10MB",
+        cache=BlobCache(str(tmp_path / "cache"), size_limit="10MB"),
     )
     loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=workers, multiprocessing_context=method)
     s3_proxy.reset_counts()

@@ -154,6 +154,16 @@ class BlobCache(IndexOps):
         """The cache directory (absolute)."""
         return self._directory
 
+    @property
+    def size_limit(self) -> int:
+        """The size bound in bytes."""
+        return self._size_limit
+
+    @property
+    def policy(self) -> Policy:
+        """``"admit"`` or ``"lru"``."""
+        return self._policy
+
     # -- opening ------------------------------------------------------------------------------
 
     def _connect(self) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 from .._config import env
 from .._errors import ConfigError
 
-__all__ = ["options_token", "redact", "resolve_storage_options"]
+__all__ = ["listing_scope", "options_token", "redact", "resolve_storage_options"]
 
 _SECRET_WORDS = ("secret", "token", "password", "key", "credential", "sas", "connection_string", "signature")
 
@@ -95,3 +95,26 @@ def redact(storage_options: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
+
+
+def listing_scope(protocol: str, storage_options: Mapping[str, Any]) -> str:
+    """What a bucket listing depends on besides the URL: the endpoint (or Azure account), never the
+    credentials, so that one URL has one remembered listing however its credentials are given."""
+    opts = storage_options
+    if protocol == "s3":
+        client_kwargs = opts.get("client_kwargs") or {}
+        endpoint = opts.get("endpoint_url") or client_kwargs.get("endpoint_url") or "aws"
+        return f"s3:{str(endpoint).rstrip('/')}:versions={bool(opts.get('version_aware'))}"
+    if protocol == "gs":
+        return f"gs:{opts.get('endpoint_url') or env('STORAGE_EMULATOR_HOST') or 'google'}"
+    if protocol == "az":
+        account = opts.get("account_url") or opts.get("account_host") or opts.get("account_name") or ""
+        conn = str(opts.get("connection_string") or "")
+        for part in conn.split(";"):
+            name, _, value = part.partition("=")
+            if name.strip() in ("BlobEndpoint", "AccountName") and value:
+                account = account or value.strip()
+            if part.strip() == "UseDevelopmentStorage=true":
+                account = account or "devstoreaccount1"
+        return f"az:{account}"
+    return protocol

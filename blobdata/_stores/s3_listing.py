@@ -107,7 +107,7 @@ class S3LeanLister:
                     origin = origin.__cause__
                 err = final_error(
                     origin or exc, root, store="s3", what="listing", timeout=opts.timeout,
-                    attempts=opts.retries,
+                    attempts=opts.attempts,
                 )  # fmt: skip
                 if err is exc:
                     raise
