@@ -35,6 +35,7 @@ from ._loader import BlobLoader
 from ._lookahead import LookAhead, PlanChannel
 from ._loop import get_loop, run, submit
 from ._manifest import Manifest
+from ._skips import SkipLog
 from ._stores.options import redact, resolve_storage_options
 from ._url import parse_url
 
@@ -343,6 +344,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
 
     def _report(self, url: str, exc: BlobdataError) -> None:
         self.errors.append((url, exc))
+        if self._channel is not None and torch.utils.data.get_worker_info() is not None:
+            SkipLog(self._channel.path).record(url, exc)  # for the training process's ds.errors
         _stats.rec()[_stats.ERRORS] += 1
         log.warning("blobdata: skipped bad sample %s: %s", url, exc)
         if callable(self.on_error):

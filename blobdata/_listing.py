@@ -127,8 +127,11 @@ async def list_with(
     root = str(url)
     names, anything = await lister.folders()
     if not anything:
-        raise NotFound(f"nothing found at {root}: check the bucket and prefix (a dataset folder holds one "
-                       "sub-folder per class)", url=root)  # fmt: skip
+        where = "the path (no such local folder, or it is empty)" if url.protocol == "file" else (
+            "the bucket and prefix"
+        )
+        raise NotFound(f"nothing found at {root}: check {where}; a dataset folder holds one sub-folder "
+                       "per class", url=root)  # fmt: skip
     classes = sorted(set(n for n in names if n))
     if not classes:
         raise EmptyDatasetError(f"Couldn't find any class folder in {root}.", url=root)

@@ -11,7 +11,7 @@ asked for.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch.utils.data
@@ -19,6 +19,7 @@ import torch.utils.data
 from ._errors import ConfigError
 from ._lookahead import PlanChannel, PlanningBatchSampler
 from ._resume import Progress, own_generator
+from ._skips import SkipLog
 from ._stats import LoaderStats, LoopClock, Records, TimedCollate, TimedIter
 
 __all__ = ["BlobLoader"]
@@ -108,13 +109,26 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         self.user_worker_init_fn = worker_init_fn
         self._clock = LoopClock()
         self._records = Records(self.channel.path)
+        self._skips = SkipLog(self.channel.path)
 
     def __iter__(self) -> Any:
         """DataLoader's iterator, counted (for :meth:`state_dict`) and timed: the seconds the loop
         waits for batches count in :meth:`stats`, and each epoch's end logs a summary on the
         ``blobdata`` logger (INFO)."""
         dataloader_iter = super().__iter__
-        return TimedIter(lambda: self.progress.track(dataloader_iter()), self._clock, self._records)
+        return TimedIter(
+            lambda: self._collect_skips(self.progress.track(dataloader_iter())), self._clock, self._records
+        )
+
+    def _collect_skips(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Workers' ``on_error="skip"`` reports join ``dataset.errors`` here, batch by batch."""
+        errors = getattr(self.dataset, "errors", None)
+        for batch in batches:
+            if self.num_workers and errors is not None:
+                errors.extend(self._skips.drain())
+            yield batch
+        if self.num_workers and errors is not None:
+            errors.extend(self._skips.drain())
 
     def stats(self) -> LoaderStats:
         """What this loader did so far, summed over the training process and its workers (a
