@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -43,6 +44,7 @@ from ._warm import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
+    has_cache,
     human_size,
     open_cache,
     print_summary,
@@ -111,7 +113,7 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
         manifest=args.manifest,
         extensions=_extensions(args.extensions),
         is_valid_file=None,
-        allow_empty=False,
+        allow_empty=args.allow_empty,
         concurrency=args.concurrency,
         progress=False if args.quiet else None,
     )
@@ -153,7 +155,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
     )
     if args.dry_run:
-        return EXIT_OK
+        return EXIT_OK if summary.fits else EXIT_FAILED  # "does NOT fit" is a failure to scripts
     print_summary(
         summary, rank=args.rank, world_size=args.world_size, cache_dir=args.cache_dir, out=sys.stdout
     )
@@ -275,10 +277,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _existing_cache(directory: str) -> Any:
-    if not os.path.isdir(directory):
+    """The cache in ``directory``; NotFound (nothing created) when there is none."""
+    if not os.path.isdir(directory) or not has_cache(directory):
         from ._errors import NotFound
 
-        raise NotFound(f"no cache at {directory}: the directory does not exist", url=directory)
+        why = "the directory does not exist" if not os.path.isdir(directory) else "it holds no cache index"
+        raise NotFound(f"no cache at {directory}: {why}", url=directory)
     return open_cache(directory)
 
 
@@ -352,10 +356,15 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument(
         "--quiet", "-q", action="store_true", help="no progress bars (shown only on a terminal anyway)"
     )
+    listing.add_argument(
+        "--allow-empty", action="store_true",
+        help="accept class folders without a valid file (as allow_empty=True)",
+    )
 
     parser = argparse.ArgumentParser(
         prog="blobdata", description="Train PyTorch models straight from a bucket folder.", parents=[common]
     )
+    parser.add_argument("--version", action="version", version=f"blobdata {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -402,21 +411,35 @@ def _parser() -> argparse.ArgumentParser:
     csub = cache.add_subparsers(dest="cache_command", metavar="ACTION")
     csub.required = True
     info = csub.add_parser("info", parents=[common], help="directory, entries, bytes")
-    info.add_argument("--cache-dir", required=True)
+    info.add_argument("--cache-dir", required=True, help="the cache directory (nothing is created in it)")
     info.add_argument("--cache-size", help="the size bound its users set, to show the free room (e.g. 100GB)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=_cmd_cache_info)
     clear = csub.add_parser("clear", parents=[common], help="remove every entry")
-    clear.add_argument("--cache-dir", required=True)
+    clear.add_argument("--cache-dir", required=True, help="the cache directory to empty")
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=_cmd_cache_clear)
 
     _bench.add_parser(sub, [common, listing], _cmd_bench)
 
     sub.add_parser(
-        "demo", help="train a small model from a local S3 server (runs blobdata._demo)", add_help=False
+        "demo", help="train a small model from a local S3 server and a generated dataset", add_help=False
     )
     return parser
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def entry() -> None:
+    """The console script: dies quietly on a closed pipe (``blobdata ls ... | head -1``), as other
+    command-line tools do, instead of printing BrokenPipeError."""
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main())
 
 
 def _demo(argv: list[str]) -> int:

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     from ._dataset import FolderDataset
     from ._servers import LocalS3Server
 
-    parser = argparse.ArgumentParser(prog="blobdata demo", description=__doc__.splitlines()[0])
+    summary = __doc__.splitlines()[0].replace("``", "")  # plain text in --help, not reST
+    parser = argparse.ArgumentParser(prog="blobdata demo", description=summary)
     parser.add_argument("--images", type=int, default=1200, help="synthetic JPEGs to generate (default 1200)")
     parser.add_argument("--classes", type=int, default=10, help="class folders (default 10)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs; the first is cold (default 2)")

@@ -106,7 +106,7 @@ def _check_nonempty(manifest: Manifest, extensions: tuple[str, ...] | None) -> N
         msg = f"Found no valid file for the classes {', '.join(sorted(empty))} under {manifest.root}. "
         if extensions is not None:
             msg += f"Supported extensions are: {', '.join(extensions)}. "
-        msg += "Pass allow_empty=True to accept empty classes."
+        msg += "Pass allow_empty=True (blobdata --allow-empty) to accept empty classes."
         raise EmptyDatasetError(msg, url=manifest.root)
 
 

@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -76,6 +77,7 @@ class WarmSummary:
     first_error: BaseException | None = None
     write_error: CacheError | None = None
     cache_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fits: bool | None = None  # whether what is missing fits in the cache's free room
 
     @property
     def mb_per_s(self) -> float:
@@ -287,6 +289,13 @@ def _refusal(cache: Any) -> str:
         return "error"
 
 
+def has_cache(directory: str) -> bool:
+    """Whether ``directory`` holds a cache index (nothing is created to find out)."""
+    from ._cache.values import DB_NAME
+
+    return os.path.isfile(os.path.join(directory, DB_NAME))
+
+
 def open_cache(directory: str, size: int | str = "100GB", policy: Literal["admit", "lru"] = "admit") -> Any:
     from ._cache import BlobCache
 
@@ -350,24 +359,27 @@ def warm(
     )
     summary.shard_objects = len(shard)
     summary.shard_bytes = int(m.sizes[shard].sum())
-    cache = open_cache(cache_dir, limit, cache_policy)
+    # A dry run writes nothing: no directory and no index are created for it.
+    cache = open_cache(cache_dir, limit, cache_policy) if not dry_run or has_cache(cache_dir) else None
     try:
         todo: list[int] = []
         t_scan = time.monotonic()
         for i in shard.tolist():
-            if (m.url(i), m.identity(i)) in cache:
+            if cache is not None and (m.url(i), m.identity(i)) in cache:
                 summary.skipped += 1
                 summary.skipped_bytes += int(m.sizes[i])
             else:
                 todo.append(i)
         log.debug("checked %d objects against the cache in %.2fs", len(shard), time.monotonic() - t_scan)
         missing = summary.shard_bytes - summary.skipped_bytes
-        used = used_bytes(cache.info())
+        empty = {"directory": cache_dir, "entries": 0, "bytes": 0}
+        used = used_bytes(cache.info()) if cache is not None else 0
         # admit keeps what it admitted: only the free room can be filled. lru would evict to make room,
         # but past its own limit a run would evict what it fetched itself, so it stops there too.
         room = max(0, limit - used) if cache_policy == "admit" else max(0, limit - summary.skipped_bytes)
+        summary.fits = missing <= room
         if dry_run:
-            fits = "fits in" if missing <= room else "does NOT fit in"
+            fits = "fits in" if summary.fits else "does NOT fit in"
             print(
                 f"would fetch {len(todo)} of {len(shard)} objects ({human_size(missing)}); "
                 f"{summary.skipped} already cached ({human_size(summary.skipped_bytes)})\n"
@@ -375,8 +387,10 @@ def warm(
                 f"in {cache_dir}",
                 file=out,
             )
-            summary.cache_info = cache.info()
+            summary.cache_info = cache.info() if cache is not None else empty
             return summary
+        if cache is None:  # only a dry run opens nothing
+            raise AssertionError("warm needs its cache open")
         if not todo:
             summary.cache_info = cache.info()
             return summary
@@ -427,7 +441,8 @@ def warm(
         summary.cache_info = cache.info()
         return summary
     finally:
-        cache.close()
+        if cache is not None:
+            cache.close()
 
 
 def _set_soon(box: list[asyncio.Event]) -> None:
