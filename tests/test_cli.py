@@ -159,11 +159,12 @@ def test_dry_run_fetches_nothing(s3_bucket: Any, tmp_path: Path, capsys: pytest.
     code, out, _ = warm(capsys, s3_bucket, tmp_path / "c", "--dry-run")
     assert code == 0
     assert "would fetch 12 of 12 objects (120.00 kB)" in out and "fits in the cache" in out
+    assert not (tmp_path / "c").exists()  # a dry run creates nothing
     with BlobCache(tmp_path / "c") as cache:
         assert cache.info()["entries"] == 0
 
     code, out, _ = warm(capsys, s3_bucket, tmp_path / "c", "--dry-run", "--cache-size", "50kB")
-    assert code == 0 and "does NOT fit" in out
+    assert code == 1 and "does NOT fit" in out  # a failure to scripts
 
 
 def test_rank_split_covers_every_object_exactly_once(
