@@ -71,6 +71,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--endpoint-url", default=None, help="an S3-compatible endpoint (MinIO, the demo server)")
     args = p.parse_args()
 
     distributed = "RANK" in os.environ
@@ -82,7 +83,8 @@ def main() -> None:
     )
 
     cache = BlobCache(args.cache_dir, size_limit=args.cache_size) if args.cache_dir else None
-    ds = FolderDataset(args.url, cache=cache)
+    options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else None
+    ds = FolderDataset(args.url, cache=cache, storage_options=options)
     model, ds.transform = build(len(ds.classes))
     model = model.to(device).to(memory_format=torch.channels_last)
     if distributed:
@@ -95,7 +97,7 @@ def main() -> None:
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=args.workers > 0,
-        drop_last=True,
+        drop_last=len(ds) >= args.batch_size * (dist.get_world_size() if distributed else 1),
     )
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1) * 255
@@ -103,7 +105,7 @@ def main() -> None:
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        t0, seen = time.perf_counter(), 0
+        t0, seen, loss = time.perf_counter(), 0, None
         for images, targets in loader:
             images = images.to(device, non_blocking=True).float().sub_(mean).div_(std)
             loss = nn.functional.cross_entropy(
@@ -116,7 +118,8 @@ def main() -> None:
             seen += len(targets)
         if rank == 0:
             rate = seen / (time.perf_counter() - t0)
-            print(f"epoch {epoch}: {rate:.0f} images/s per rank, loss {float(loss.detach()):.3f}")
+            last = f"{float(loss.detach()):.3f}" if loss is not None else "n/a (no batch)"
+            print(f"epoch {epoch}: {seen} images, {rate:.0f} images/s per rank, loss {last}")
     if distributed:
         dist.destroy_process_group()
 
