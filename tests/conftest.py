@@ -18,15 +18,9 @@ from typing import Any
 
 import pytest
 
-from blobdata._servers import (
-    LocalAzurite,
-    LocalGCSEmulator,
-    LocalS3Server,
-    S3Endpoint,
-    find_executable,
-)
+from blobdata.testing import LatencyProxy, LocalAzurite, LocalGCSEmulator, LocalS3Server, S3Endpoint
+from blobdata.testing.servers import find_executable
 from tests.support import buckets
-from tests.support.proxy import LatencyProxy
 
 
 @pytest.fixture(autouse=True)
