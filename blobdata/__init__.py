@@ -26,14 +26,19 @@ from ._manifest import Manifest
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ._dataset import FolderDataset
+    from ._loader import BlobLoader
 
 
 def __getattr__(name: str) -> object:
-    # FolderDataset needs torch (seconds to import); the command line and the cache do not.
+    # FolderDataset and BlobLoader need torch (seconds to import); the command line and the cache do not.
     if name == "FolderDataset":
         from ._dataset import FolderDataset
 
         return FolderDataset
+    if name == "BlobLoader":
+        from ._loader import BlobLoader
+
+        return BlobLoader
     raise AttributeError(f"module 'blobdata' has no attribute {name!r}")
 
 
@@ -42,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDenied",
     "BlobCache",
+    "BlobLoader",
     "BlobdataError",
     "CacheError",
     "CacheStats",

@@ -11,7 +11,7 @@
 Exit codes: 0 success; 1 runtime failure (missing bucket, refused credentials, objects that could not
 be fetched, unusable cache); 2 usage or configuration error (bad URL, size, option, manifest);
 130 interrupted (Ctrl-C). Errors print one line ``blobdata: error: <message>`` (``--debug`` adds the
-traceback). Storage options are printed only through :func:`blobdata._fs.redact`.
+traceback). Storage options are printed only through :func:`blobdata._stores.options.redact`.
 
 Sharding (``warm --rank R --world-size N``): node R warms the samples whose index ``i`` in the
 listing (ImageFolder order) satisfies ``i % N == R``, so ranks ``0..N-1`` together warm every sample
@@ -34,7 +34,7 @@ import numpy as np
 
 from ._config import parse_size
 from ._errors import BlobdataError, ConfigError, ManifestError
-from ._fs import redact, resolve_storage_options
+from ._stores.options import redact, resolve_storage_options
 from ._url import parse_url
 from ._warm import (
     EXIT_FAILED,
@@ -214,9 +214,9 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
     if "://" not in target or target.startswith("file://"):
         m.save(target[len("file://") :] if target.startswith("file://") else target)
         return
-    from ._fs import get_fs
-    from ._listing import translate_error
     from ._loop import run
+    from ._retry import final_error
+    from ._stores.fsspec import get_fs
 
     dest = parse_url(target)
     fs = get_fs(dest.protocol, resolve_storage_options(dest.protocol, storage_options))
@@ -231,7 +231,7 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
     try:
         run(put())
     except Exception as exc:
-        raise translate_error(exc, target, what="manifest upload") from exc
+        raise final_error(exc, target, store=dest.protocol, what="manifest upload") from exc
 
 
 # -- cache ---------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ._errors import ConfigError
 
@@ -155,3 +156,7 @@ class FetchOptions:
         set_(self, "backoff", parse_duration(backoff, name="backoff"))
         set_(self, "max_backoff", parse_duration(max_backoff, name="max_backoff"))
         set_(self, "part_size", part)
+
+    def replace(self, **changes: Any) -> FetchOptions:
+        """A copy with ``changes`` applied (validated as the constructor validates)."""
+        return dataclasses.replace(self, **changes)

@@ -20,16 +20,18 @@ from typing import Any, Literal, overload
 import numpy as np
 import torch.utils.data
 
+from . import _process
 from ._cache import BlobCache, CacheWriter
 from ._config import FetchOptions, parse_size
 from ._decode import decode, default_loader
-from ._errors import BlobdataError, CacheError, ConfigError
+from ._errors import BlobdataError, CacheError, ConfigError, note_fields
 from ._fetch import FetchEngine
-from ._fs import redact, resolve_storage_options
 from ._listing import load_or_list
-from ._lookahead import PlanChannel, PlanningBatchSampler, Stager
+from ._loader import BlobLoader
+from ._lookahead import LookAhead, PlanChannel
 from ._loop import get_loop, run, submit
 from ._manifest import Manifest
+from ._stores.options import redact, resolve_storage_options
 from ._url import parse_url
 
 __all__ = ["FolderDataset"]
@@ -88,7 +90,7 @@ class _Process:
     """Per-process handles: fetch engine, cache, staging area. Never pickled."""
 
     def __init__(self, ds: FolderDataset) -> None:
-        self.pid = os.getpid()
+        self.pid = _process.pid()
         self.engine = FetchEngine(
             ds.fetch_options, ds._protocol, resolve_storage_options(ds._protocol, ds._storage_options)
         )
@@ -101,16 +103,14 @@ class _Process:
                     "blobdata: cache %s unusable, reading from the network only: %s", ds.cache_dir, exc
                 )
         self.writer = CacheWriter(self.cache) if self.cache is not None else None
-        self.stager: Stager | None = None
-        self.plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
-        self.ramp = 0  # batches served this epoch, up to where the look-ahead reaches its full depth
+        self.lookahead: LookAhead | None = None
         # Connections belong to this process's loop: close them there when this state goes away
         # (the engine closes them itself at interpreter exit).
         weakref.finalize(self, _close_engine, self.engine, self.pid)
 
 
 def _close_engine(engine: FetchEngine, pid: int) -> None:
-    if os.getpid() == pid:
+    if _process.pid() == pid:
         with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
             submit(engine.aclose())
 
@@ -195,13 +195,12 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             extensions=extensions,
             is_valid_file=is_valid_file,
             allow_empty=allow_empty,
-            concurrency=self.fetch_options.concurrency,
+            fetch_options=self.fetch_options,
         )
         self.classes: list[str] = list(self._manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._channel: PlanChannel | None = None
         self._proc: _Process | None = None
-        self._trace: list[int] | None = None  # when a list, the order loads start in (tests, diagnostics)
 
     # -- ImageFolder compatibility -------------------------------------------------------------
     @property
@@ -273,6 +272,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                     target = self.target_transform(target)
             except BlobdataError as exc:
                 if self.on_error == "raise":
+                    if torch.utils.data.get_worker_info() is not None:
+                        note_fields(exc)  # the DataLoader re-raises it in the main process from its text
                     raise
                 self._report(url, exc)
                 continue
@@ -287,15 +288,13 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
 
     def _process(self) -> _Process:
         proc = self._proc
-        if proc is None or proc.pid != os.getpid():
+        if proc is None or proc.pid != _process.pid():
             proc = self._proc = _Process(self)
         return proc
 
     async def _load(self, i: int) -> bytes:
         """Bytes of sample ``i``: from the cache, else from the bucket (then offered to the cache)."""
         proc = self._process()
-        if self._trace is not None:
-            self._trace.append(i)
         m = self._manifest
         url, identity = m.url(i), m.identity(i)
         if proc.cache is not None:
@@ -309,126 +308,59 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             proc.writer.offer(url, identity, data)  # never waits: written in batches off this path
         return data
 
-    def _stager(self, proc: _Process) -> Stager | None:
+    def _lookahead(self, proc: _Process) -> LookAhead | None:
         if self.lookahead <= 0:
             return None
-        if proc.stager is None:
-            proc.stager = Stager(
+        if proc.lookahead is None:
+            proc.lookahead = LookAhead(
                 self._load,
                 lambda i: int(self._manifest.sizes[i]),
                 max_items=self.lookahead,
                 max_bytes=self.lookahead_bytes,
             )
-        return proc.stager
-
-    def _look_ahead(self, proc: _Process, indices: list[int]) -> None:
-        """Stage the batches this process will be given after ``indices``, as the plan says."""
-        channel = self._channel
-        stager = self._stager(proc)
-        if channel is None or stager is None:
-            return
-        plan = channel.current()
-        k = plan.locate(indices) if plan is not None else None
-        if plan is None or k is None:
-            plan = channel.current(reload=True)
-            k = plan.locate(indices) if plan is not None else None
-            if plan is None or k is None:
-                return
-        if proc.plan_key != (channel.path, plan.seq):
-            # A new epoch, or a new loader (whose channel numbers its plans from 1 again): what was
-            # staged for the old order is useless.
-            stager.clear()
-            proc.plan_key = (channel.path, plan.seq)
-            proc.ramp = 0
-        # Reach the full depth over the epoch's first batches (2, 4, 8, ... batches ahead): a full
-        # burst at once would make the first batch's decoding wait for the CPU that hundreds of
-        # responses take, while a couple of batches ahead is already far more than one round trip.
-        depth = min(stager.max_items, max(len(indices), 1) << (proc.ramp + 1))
-        if depth < stager.max_items:
-            proc.ramp += 1
-        info = torch.utils.data.get_worker_info()
-        stride = info.num_workers if info is not None else 1
-        ahead: list[int] = []
-        nxt = k + stride
-        while nxt < plan.num_batches and len(ahead) < depth:
-            ahead.extend(plan.batch(nxt).tolist())
-            nxt += stride
-        stager.schedule(ahead)
+        return proc.lookahead
 
     async def _gather(self, indices: list[int]) -> list[bytes | BaseException]:
         proc = self._process()
-        stager = proc.stager
+        ahead = proc.lookahead
         tasks: list[asyncio.Future[bytes]] = []
         for i in indices:
-            staged = stager.pop(i) if stager is not None else None
+            staged = ahead.take(i) if ahead is not None else None
             tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
         # After this batch's own requests, so that the order requests start in is the sampler's.
-        self._look_ahead(proc, indices)
+        channel = self._channel
+        ahead = self._lookahead(proc) if channel is not None else None
+        if ahead is not None and channel is not None:
+            info = torch.utils.data.get_worker_info()
+            ahead.advance(channel, indices, info.num_workers if info is not None else 1)
         return list(await asyncio.gather(*tasks, return_exceptions=True))
 
     # -- loaders that know the order ---------------------------------------------------------------
     def dataloader(
-        self,
-        batch_size: int = 1,
-        shuffle: bool = False,
-        sampler: torch.utils.data.Sampler[int] | None = None,
-        *,
-        drop_last: bool = False,
-        generator: torch.Generator | None = None,
-        worker_init_fn: Callable[[int], None] | None = None,
-        **kwargs: Any,
-    ) -> torch.utils.data.DataLoader[Any]:
-        """A standard ``torch.utils.data.DataLoader`` whose order blobdata sees, so it can fetch ahead.
+        self, batch_size: int | None = 1, shuffle: bool | None = None, **kwargs: Any
+    ) -> BlobLoader:
+        """A ``torch.utils.data.DataLoader`` (a :class:`~blobdata.BlobLoader`) whose order blobdata sees,
+        so that each process fetches ahead of the batches it will be given.
 
-        Takes DataLoader's arguments. The order is exactly what ``DataLoader(self, batch_size, shuffle,
-        sampler, drop_last=..., generator=...)`` would produce: blobdata only wraps the batch sampler to
-        publish each epoch's batches to the workers. Use ``sampler=DistributedSampler(ds)`` for DDP (each
-        rank then fetches only its own indices) and call ``sampler.set_epoch(e)`` as usual.
+        Takes DataLoader's arguments with their meaning: the same arguments and the same seeded
+        ``generator`` give exactly the batches ``DataLoader(self, ...)`` gives. Use
+        ``sampler=DistributedSampler(ds)`` for DDP (each rank then fetches only its own indices) and
+        call ``sampler.set_epoch(e)`` as usual.
         """
-        if "batch_sampler" in kwargs:
-            raise ConfigError("pass sampler= (or shuffle=) to FolderDataset.dataloader, not batch_sampler=")
-        if sampler is not None and shuffle:
-            raise ConfigError("sampler and shuffle=True are mutually exclusive (as in DataLoader)")
-        if sampler is None:
-            sampler = (
-                torch.utils.data.RandomSampler(self, generator=generator)
-                if shuffle
-                else torch.utils.data.SequentialSampler(self)
-            )
-        batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
-        channel = PlanChannel()
+        return BlobLoader(self, batch_size, shuffle, **kwargs)
+
+    def _attach(self, channel: PlanChannel) -> None:
+        """Read the plans of the loader that owns ``channel`` (the latest loader made, in this process)."""
         self._channel = channel
-        return torch.utils.data.DataLoader(
-            self,
-            batch_sampler=PlanningBatchSampler(batches, channel),
-            generator=generator,
-            worker_init_fn=_WorkerInit(channel, worker_init_fn),
-            **kwargs,
-        )
 
     def close(self) -> None:
         """Drop this process's staged data and cache handle (they are recreated on next use)."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.pid == os.getpid():
-            if proc.stager is not None:
-                get_loop().call_soon_threadsafe(proc.stager.clear)
+        if proc is not None and proc.pid == _process.pid():
+            if proc.lookahead is not None:
+                get_loop().call_soon_threadsafe(proc.lookahead.clear)
             if proc.writer is not None:
                 proc.writer.flush()
             if proc.cache is not None:
                 proc.cache.close()
             proc.engine.close()
-
-
-class _WorkerInit:
-    """Points the worker's dataset copy at its loader's plan channel, then runs the user's init."""
-
-    def __init__(self, channel: PlanChannel, user: Callable[[int], None] | None) -> None:
-        self.channel = channel
-        self.user = user
-
-    def __call__(self, worker_id: int) -> None:
-        info = torch.utils.data.get_worker_info()
-        if info is not None and isinstance(info.dataset, FolderDataset):
-            info.dataset._channel = self.channel
-        if self.user is not None:
-            self.user(worker_id)

@@ -17,12 +17,22 @@ working around code that moved from local files to a bucket::
     ├── ManifestError(ValueError)        a stored listing is unreadable or for another URL
     └── CacheError(OSError)              the local cache cannot be used (never raised mid-training)
 
-Errors cross DataLoader worker processes, so each one pickles with its message and ``url``.
+Errors cross DataLoader worker processes, so each one pickles with its message and ``url``; one
+raised in a worker also carries its fields in a note (:func:`note_fields`) that the main process's
+copy reads back, because the DataLoader re-raises a worker's error as ``type(exc)(traceback_text)``.
 Messages name the object URL, what was expected, and what to do; they never contain credentials.
+
+The one error map: :func:`from_status` turns an HTTP status and a store's error code into the error
+(or into a :class:`TransientError` for what may be retried), and :func:`translate` does the same for
+a backend library's exception (botocore, gcsfs, the Azure SDK, aiohttp, OSError). Every store and the
+listing call these two; nothing else decides what a status means.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = [
@@ -51,6 +61,8 @@ class BlobdataError(Exception):
         super().__init__(message)
         self.message = message
         self.url = url
+        if url is None and _FIELDS_NOTE in message:
+            self.__dict__.update(_fields_from(message))
 
     def __str__(self) -> str:
         return self.message
@@ -59,6 +71,39 @@ class BlobdataError(Exception):
         # Positional (message, url) so that the multiple-inheritance subclasses (OSError's
         # constructor is picky) rebuild exactly across DataLoader worker processes.
         return (_rebuild, (type(self), self.message, self.url, dict(self.__dict__)))
+
+
+_FIELDS_NOTE = "blobdata-error-fields: "
+
+
+def note_fields(exc: BaseException) -> None:
+    """Attach ``exc``'s fields (``url`` and other plain values) as a note, once.
+
+    The DataLoader sends a worker's error to the main process as its formatted traceback (notes
+    included) and rebuilds it there as ``type(exc)(text)``; :class:`BlobdataError` reads the note
+    back, so ``exc.url`` survives fork, spawn and forkserver workers.
+    """
+    if not isinstance(exc, BlobdataError) or not hasattr(exc, "add_note"):
+        return
+    if any(n.startswith(_FIELDS_NOTE) for n in getattr(exc, "__notes__", ())):
+        return
+    plain = (str, int, float, bool)
+    fields = {k: v for k, v in exc.__dict__.items() if k != "message" and isinstance(v, plain)}
+    exc.add_note(_FIELDS_NOTE + json.dumps(fields, sort_keys=True))
+
+
+def _fields_from(text: str) -> dict[str, Any]:
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith(_FIELDS_NOTE):
+            try:
+                fields = json.loads(line[len(_FIELDS_NOTE) :])
+            except ValueError:
+                return {}
+            return {k: v for k, v in fields.items() if isinstance(k, str) and k != "message"} if isinstance(
+                fields, dict
+            ) else {}
+    return {}
 
 
 def _rebuild(cls: type[BlobdataError], message: str, url: str | None, state: dict[str, Any]) -> BlobdataError:
@@ -113,3 +158,174 @@ class ManifestError(BlobdataError, ValueError):
 
 class CacheError(BlobdataError, OSError):
     """The local cache directory cannot be opened or used."""
+
+
+# -- the one error map ------------------------------------------------------------------------------
+
+
+class TransientError(Exception):
+    """A failure worth retrying (internal: never reaches the user, :func:`blobdata._retry.give_up`
+    turns the last one into an error). ``kind`` is one of ``throttle``, ``server``, ``timeout``,
+    ``connection``, ``short_read``; ``retry_after`` is the store's hint in seconds, if any."""
+
+    def __init__(self, kind: str, message: str, *, retry_after: str | float | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        try:
+            self.retry_after = float(retry_after) if retry_after is not None else None
+        except ValueError:
+            self.retry_after = None  # an HTTP date: ignored, the backoff applies
+
+
+#: What to check when a store refuses the credentials, per store.
+_CREDENTIAL_HINTS = {
+    "s3": "check the credentials (key/secret, AWS_PROFILE, AWS_ACCESS_KEY_ID) and the bucket policy, or "
+    "pass anon=True for a public bucket",
+    "gs": "check token= in storage_options (a service-account file, 'google_default', or 'anon' for a "
+    "public bucket) and the bucket's IAM policy",
+    "az": "check the account key, SAS token or credential in storage_options (or "
+    "AZURE_STORAGE_CONNECTION_STRING)",
+}
+_DENIED_CODES = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
+    "InvalidToken", "AccountProblem", "AuthorizationFailure", "AuthenticationFailed", "Forbidden",
+})  # fmt: skip
+_THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "ServiceUnavailable", "ServerBusy",
+})  # fmt: skip
+_MISSING_BUCKET_CODES = frozenset({"NoSuchBucket", "ContainerNotFound", "CONTAINER_NOT_FOUND"})
+_SERVER_CODES = frozenset({"RequestTimeout", "InternalError"})
+
+
+def from_status(
+    url: str,
+    status: int,
+    *,
+    code: str = "",
+    store: str = "",
+    what: str = "",
+    retry_after: str | float | None = None,
+    expected: str | None = None,
+) -> BlobdataError | TransientError:
+    """The error for one refused request: HTTP ``status`` and the store's error ``code`` (``""`` if none).
+
+    ``store`` (``s3``, ``gs``, ``az``) picks the advice on credentials; ``what`` (``"listing"``,
+    ``"manifest"``; empty for an object read) starts the message; ``expected`` is the listed
+    identity, for a 412. Throttling, 5xx and 408 are :class:`TransientError` (the caller retries; a
+    throttled request is never "not found"); everything else is final.
+    """
+    label = f"HTTP {status}{' ' + code if code else ''}" if status else (code or "no status")
+    head = f"{what} of {url}" if what else url
+    if code in _THROTTLE_CODES or status in (429, 503):
+        return TransientError("throttle", f"{head}: throttled ({label})", retry_after=retry_after)
+    if code in _SERVER_CODES or status == 408 or status >= 500:
+        return TransientError("server", f"{head}: server error ({label})")
+    if code in _DENIED_CODES or status in (401, 403):
+        hint = _CREDENTIAL_HINTS.get(store, "check the credentials in storage_options and the bucket policy")
+        return AccessDenied(f"{head}: access denied, the store refused the request ({label}); {hint}", url)
+    if code in _MISSING_BUCKET_CODES:
+        return NotFound(f"{head}: the bucket does not exist ({label}); check the bucket name, the URL and "
+                        "the endpoint", url)  # fmt: skip
+    if status == 404 or code in ("NoSuchKey", "BlobNotFound", "NotFound"):
+        if what:
+            return NotFound(f"{url} does not exist ({label}): check the bucket and prefix", url)
+        return NotFound(f"{url}: no such object ({label}); the listing may be stale, rebuild it with "
+                        "refresh=True", url)  # fmt: skip
+    if status == 412:
+        listed = f"identity {expected} listed, " if expected else ""
+        return ObjectChanged(f"{url} changed since it was listed ({listed}{label} on a conditional read): "
+                             "rebuild the listing with refresh=True", url)  # fmt: skip
+    return FetchError(f"{head}: the store refused the request ({label})", url)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__ or cur.__context__
+
+
+def _status_of(exc: BaseException) -> tuple[str, int]:
+    """(error code, HTTP status) of a botocore / gcsfs / Azure SDK / aiohttp error; ("", 0) if none."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):  # botocore ClientError
+        err = response.get("Error") or {}
+        http = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        return str(err.get("Code") or ""), int(http) if http else 0
+    code = str(getattr(exc, "error_code", None) or "").rsplit(".", 1)[-1]  # StorageErrorCode.X -> X
+    status: int = next(
+        (v for a in ("status_code", "status", "code") if isinstance(v := getattr(exc, a, None), int)), 0
+    )
+    return code, status
+
+
+_TIMEOUT_NAMES = frozenset({"ConnectTimeoutError", "ReadTimeoutError", "ServerTimeoutError", "FSTimeoutError",
+                            "ServiceResponseTimeoutError"})  # fmt: skip
+_CONNECTION_NAMES = frozenset({
+    "EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError", "gaierror",
+    "ConnectionError",
+    "ServiceRequestError", "ServiceResponseError", "ClientConnectionError", "ClientOSError",
+    "ServerDisconnectedError", "ClientPayloadError",
+})  # fmt: skip
+_CREDENTIAL_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ClientAuthenticationError"})
+
+
+def translate(
+    exc: BaseException,
+    url: str,
+    *,
+    store: str = "",
+    what: str = "",
+    timeout: float | None = None,
+    expected: str | None = None,
+) -> BlobdataError | TransientError:
+    """The error for a backend library's exception (the one boundary; ``raise ... from exc``).
+
+    Looks along the exception's cause chain for an HTTP status or a store error code (then as
+    :func:`from_status`), else classifies by type: timeouts and connection failures are
+    :class:`TransientError`, missing credentials :class:`AccessDenied`. The backend's own text is
+    never copied into the message (an Azure or GCS error may hold a signed URL).
+    """
+    if isinstance(exc, (BlobdataError, TransientError)):
+        return exc
+    head = f"{what} of {url}" if what else url
+    for e in _chain(exc):
+        code, status = _status_of(e)
+        if code or status:
+            return from_status(url, status, code=code, store=store, what=what,
+                               retry_after=_retry_after(e), expected=expected)  # fmt: skip
+    names = {type(e).__name__ for e in _chain(exc)}
+    if names & _CREDENTIAL_NAMES:
+        hint = _CREDENTIAL_HINTS.get(store, "set them in storage_options or the environment")
+        return AccessDenied(f"{head}: no usable credentials; {hint}", url)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or names & _TIMEOUT_NAMES:
+        within = f" within {timeout:g}s" if timeout is not None else ""
+        return TransientError("timeout", f"{head}: no complete response{within}")
+    if "IncompleteReadError" in names:
+        return TransientError("short_read", f"{head}: connection closed mid-body")
+    if names & _CONNECTION_NAMES or isinstance(exc, ConnectionError):
+        return TransientError(
+            "connection",
+            f"{head}: connection failed ({type(exc).__name__}); check endpoint_url in storage_options (or "
+            "AWS_ENDPOINT_URL_S3, STORAGE_EMULATOR_HOST, AZURE_STORAGE_CONNECTION_STRING) and that the "
+            "server is running",
+        )
+    if isinstance(exc, PermissionError):
+        return AccessDenied(f"{head}: permission denied", url)
+    if isinstance(exc, FileNotFoundError):
+        if what:
+            return NotFound(f"{url} does not exist: check the bucket and prefix", url)
+        return NotFound(f"{url}: no such object; the listing may be stale, rebuild it with refresh=True", url)
+    return FetchError(f"{head}: failed ({type(exc).__name__})", url)
+
+
+def _retry_after(exc: BaseException) -> str | None:
+    headers = getattr(exc, "headers", None) or (getattr(exc, "response", None) or {})
+    try:
+        value = headers.get("Retry-After") if hasattr(headers, "get") else None
+    except Exception:
+        return None
+    return str(value) if value is not None else None

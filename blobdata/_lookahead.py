@@ -24,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Plan", "PlanChannel", "PlanningBatchSampler", "Stager"]
+from . import _process
+
+__all__ = ["LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager"]
 
 
 class Plan:
@@ -67,7 +69,7 @@ class Plan:
 
 def _remove_if_owner(path: str, pid: int) -> None:
     # Forked workers inherit the finalizer; only the creating process may remove the directory.
-    if os.getpid() == pid:
+    if _process.pid() == pid:
         shutil.rmtree(path, ignore_errors=True)
 
 
@@ -89,9 +91,9 @@ class PlanChannel:
     def __init__(self, path: str | None = None) -> None:
         self._owner = path is None
         if path is None:
-            path = tempfile.mkdtemp(prefix=f"blobdata-plan-{os.getpid()}-", dir=_shm_root())
+            path = tempfile.mkdtemp(prefix=f"blobdata-plan-{_process.pid()}-", dir=_shm_root())
             os.chmod(path, 0o700)
-            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, os.getpid())
+            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid())
         self.path = path
         self._seq = 0
         self._cached: Plan | None = None
@@ -150,9 +152,12 @@ class PlanningBatchSampler:
         self.channel = channel
 
     def __iter__(self) -> Iterator[list[int]]:
+        # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
+        # DataLoader (which draws its worker base seed from the generator between iter() and
+        # next()), so a seeded generator gives exactly the plain DataLoader's order.
         batches = [list(b) for b in self.batch_sampler]
         self.channel.publish(batches)
-        return iter(batches)
+        yield from batches
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -231,3 +236,60 @@ class Stager:
         for task in tasks.values():
             task.cancel()
             task.add_done_callback(_consume)
+
+
+class LookAhead:
+    """One process's look-ahead: its :class:`Stager` and where the current epoch's ramp stands.
+
+    After each batch it is given, the process calls :meth:`advance` with the batch's indices; the
+    look-ahead finds that batch in the loader's plan and stages this process's next batches (every
+    ``stride``-th batch: the DataLoader deals batches round-robin to its workers). Each epoch starts
+    two batches ahead and doubles per batch up to ``max_items`` samples, so that the first batch does
+    not wait behind a burst of requests.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int], Coroutine[Any, Any, bytes]],
+        size_of: Callable[[int], int],
+        *,
+        max_items: int,
+        max_bytes: int,
+    ) -> None:
+        self.stager = Stager(fetch, size_of, max_items=max_items, max_bytes=max_bytes)
+        self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
+        self._ramp = 0  # batches served this epoch, up to where the depth is full
+
+    def take(self, index: int) -> asyncio.Task[bytes] | None:
+        """The staged fetch of ``index`` (removed from the staging area), or None."""
+        return self.stager.pop(index)
+
+    def advance(self, channel: PlanChannel, indices: Sequence[int], stride: int) -> None:
+        """Stage what this process will be given after the batch ``indices`` (call on the loop)."""
+        plan = channel.current()
+        k = plan.locate(indices) if plan is not None else None
+        if plan is None or k is None:
+            plan = channel.current(reload=True)
+            k = plan.locate(indices) if plan is not None else None
+            if plan is None or k is None:
+                return  # a sampler blobdata did not see: batches are still fetched all at once
+        stager = self.stager
+        if self._plan_key != (channel.path, plan.seq):
+            # A new epoch, or a new loader (whose channel numbers its plans from 1 again): what was
+            # staged for the old order is useless.
+            stager.clear()
+            self._plan_key = (channel.path, plan.seq)
+            self._ramp = 0
+        depth = min(stager.max_items, max(len(indices), 1) << (self._ramp + 1))
+        if depth < stager.max_items:
+            self._ramp += 1
+        ahead: list[int] = []
+        nxt = k + stride
+        while nxt < plan.num_batches and len(ahead) < depth:
+            ahead.extend(plan.batch(nxt).tolist())
+            nxt += stride
+        stager.schedule(ahead)
+
+    def clear(self) -> None:
+        """Drop everything staged (call on the loop)."""
+        self.stager.clear()

@@ -1,7 +1,7 @@
 """The one async-to-sync bridge: one event loop on one daemon thread per process.
 
 Every coroutine blobdata runs (listing, fetching, look-ahead) goes through :func:`run` or
-:func:`submit`. The loop is created lazily and recreated when ``os.getpid()`` changes, so a
+:func:`submit`. The loop is created lazily and recreated in each new process (:mod:`blobdata._process`), so a
 DataLoader worker started by fork never touches the parent's loop (which has no thread there),
 and spawn/forkserver workers simply start their own.
 
@@ -16,11 +16,12 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import os
 import threading
 import weakref
 from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
+
+from . import _process
 
 __all__ = ["close_at_exit", "get_loop", "run", "submit"]
 
@@ -38,7 +39,7 @@ def close_at_exit(obj: Any) -> None:
 
 def get_loop() -> asyncio.AbstractEventLoop:
     """The running background loop of this process, started on first use."""
-    pid = os.getpid()
+    pid = _process.pid()
     loop = _state["loop"]
     if loop is not None and _state["pid"] == pid:
         return loop  # type: ignore[no-any-return]
@@ -89,7 +90,7 @@ def run(coro: Awaitable[T], timeout: float | None = None) -> T:
 
 def _shutdown() -> None:
     loop = _state["loop"]
-    if loop is None or _state["pid"] != os.getpid():
+    if loop is None or _state["pid"] != _process.pid():
         return
 
     async def _close_all() -> None:

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._config import cache_home
-from ._errors import ManifestError
+from ._errors import ManifestError, NotFound
 from ._url import parse_url
 
 __all__ = ["FORMAT_VERSION", "Manifest", "manifest_path"]
@@ -435,8 +435,6 @@ class Manifest:
 
 
 def _read(source: str, storage_options: Mapping[str, Any] | None) -> bytes:
-    from ._errors import NotFound
-
     if "://" not in source or source.startswith("file://"):
         path = source[len("file://") :] if source.startswith("file://") else source
         try:
@@ -447,9 +445,11 @@ def _read(source: str, storage_options: Mapping[str, Any] | None) -> bytes:
             raise ManifestError(
                 f"manifest {source} cannot be read: {exc.strerror or exc}", url=source
             ) from exc
-    from ._fs import get_fs, resolve_storage_options
-    from ._listing import translate_error
+    # Late: fsspec and the store clients are not needed to read a local manifest.
     from ._loop import run
+    from ._retry import final_error
+    from ._stores.fsspec import get_fs
+    from ._stores.options import resolve_storage_options
 
     url = parse_url(source)
     fs = get_fs(url.protocol, resolve_storage_options(url.protocol, storage_options))
@@ -462,7 +462,7 @@ def _read(source: str, storage_options: Mapping[str, Any] | None) -> bytes:
     try:
         return run(fetch())
     except Exception as exc:
-        raise translate_error(exc, source, what="manifest") from exc
+        raise final_error(exc, source, store=url.protocol, what="manifest") from exc
 
 
 def _makedirs_private(path: Path) -> None:

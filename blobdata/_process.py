@@ -12,6 +12,7 @@ Hooks run in registration order, ``before`` in the forking thread just before ``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -34,7 +35,9 @@ def pid() -> int:
     return _pid
 
 
-def at_fork(*, before: Callable[[], None] | None = None, after_in_child: Callable[[], None] | None = None) -> None:
+def at_fork(
+    *, before: Callable[[], None] | None = None, after_in_child: Callable[[], None] | None = None
+) -> None:
     """Register fork hooks (run in registration order). Exceptions in a hook are not propagated."""
     if before is not None:
         _before.append(before)
@@ -49,10 +52,8 @@ def orphan(obj: Any) -> None:
 
 def _run(hooks: list[Callable[[], None]]) -> None:
     for hook in list(hooks):
-        try:
+        with contextlib.suppress(Exception):  # a failing hook must not break fork
             hook()
-        except Exception:  # pragma: no cover - a failing hook must not break fork
-            pass
 
 
 def _before_fork() -> None:

@@ -1,8 +1,8 @@
 """One backend-independent suite, run against every store: memory://, local files, S3, GCS and Azure.
 
 S3 is the suite's S3 server, GCS the gcp-storage-emulator (through gcsfs for listing and
-:class:`~blobdata._gcs.GCSReader` for reads), Azure is Azurite (adlfs for listing,
-:class:`~blobdata._azure.AzureReader` for reads). Each emulator is started by the session fixtures
+:class:`~blobdata._stores.gcs.GCSReader` for reads), Azure is Azurite (adlfs for listing,
+:class:`~blobdata._stores.azure.AzureReader` for reads). Each emulator is started by the session fixtures
 in ``conftest.py``; a backend whose emulator cannot run is skipped with the reason.
 """
 

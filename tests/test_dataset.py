@@ -269,18 +269,32 @@ def test_keys_as_they_come(verbatim_s3: Any, tmp_path: Any) -> None:
     assert [p for p in tmp_path.rglob("*") if not str(p).startswith(str(cache))] == [tmp_path / "inner"]
 
 
+class _TracingDataset(FolderDataset):
+    """Records the order in which loads start (in this process: num_workers=0)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trace: list[int] = []
+
+    async def _load(self, i: int) -> bytes:
+        self.trace.append(i)
+        return await super()._load(i)
+
+
 def test_fetch_order_follows_the_sampler(s3_bucket: Any) -> None:
     s3_bucket.put_many({f"o/c{i % 4}/{i:03d}.png": _png(i) for i in range(80)})
-    ds = FolderDataset(
+    ds = _TracingDataset(
         s3_bucket.url("o"), loader=_sum_loader, storage_options=s3_bucket.storage_options, lookahead=1000
     )
-    ds._trace = []
     gen = torch.Generator().manual_seed(1234)
     loader = ds.dataloader(batch_size=8, shuffle=True, generator=gen, num_workers=0)
     seen = sum(len(targets) for _, targets in loader)
-    expected = torch.randperm(len(ds), generator=torch.Generator().manual_seed(1234)).tolist()
+    plain = torch.utils.data.DataLoader(
+        list(range(len(ds))), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(1234)
+    )
+    expected = [int(i) for batch in plain for i in batch]  # a plain DataLoader's order, same seed
     # loads start exactly in the shuffled order: the first batch on demand, the rest ahead of it
-    assert ds._trace == expected
+    assert ds.trace == expected
     assert seen == 80
 
 
@@ -288,14 +302,15 @@ def test_distributed_ranks_fetch_disjoint_shares(s3_bucket: Any) -> None:
     s3_bucket.put_many({f"r/c{i % 2}/{i:03d}.png": _png(i) for i in range(30)})
     fetched = []
     for rank in range(2):
-        ds = FolderDataset(s3_bucket.url("r"), loader=_sum_loader, storage_options=s3_bucket.storage_options)
-        ds._trace = []
+        ds = _TracingDataset(
+            s3_bucket.url("r"), loader=_sum_loader, storage_options=s3_bucket.storage_options
+        )
         sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=7)
         sampler.set_epoch(3)
         want = list(sampler)
         list(ds.dataloader(batch_size=4, sampler=sampler, num_workers=0))
-        assert ds._trace == want
-        fetched.append(set(ds._trace))
+        assert ds.trace == want
+        fetched.append(set(ds.trace))
     assert not fetched[0] & fetched[1]
     assert fetched[0] | fetched[1] == set(range(30))
 
@@ -312,7 +327,7 @@ def test_staging_area_stays_within_its_bounds(s3_bucket: Any) -> None:
     biggest = int(ds.manifest.sizes.max())
     assert biggest <= 13_000
     list(ds.dataloader(batch_size=4, shuffle=True, num_workers=0))
-    stager = ds._proc.stager  # type: ignore[union-attr]
+    stager = ds._proc.lookahead.stager  # type: ignore[union-attr]
     assert stager is not None
     assert 0 < stager.peak_items <= 10
     assert 0 < stager.peak_bytes <= 5 * 13_000
@@ -329,7 +344,7 @@ def test_look_ahead_ramps_up_over_the_first_batches(s3_bucket: Any) -> None:
         staged = []
         for _ in range(4):
             next(it)
-            stager = ds._proc.stager  # type: ignore[union-attr]
+            stager = ds._proc.lookahead.stager  # type: ignore[union-attr]
             assert stager is not None
             staged.append(len(stager))
         # 2, 4, 8, 16 batches of 4 ahead, less the batch just taken from what was staged

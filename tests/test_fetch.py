@@ -17,6 +17,8 @@ from blobdata._config import FetchOptions
 from blobdata._errors import ConfigError, FetchError, FetchTimeout, NotFound, ObjectChanged, Throttled
 from blobdata._fetch import FetchEngine
 from blobdata._loop import run
+from blobdata._stores.options import resolve_storage_options
+from blobdata._stores.s3 import S3Reader
 
 pytestmark = pytest.mark.network
 
@@ -153,21 +155,38 @@ def test_large_object_in_parts_is_byte_exact(s3_bucket: Any, close_engines: Any)
     assert body2 == data
 
 
+class _OverwriteAfterFirstRead:
+    """A reader that replaces the object (same size, new ETag) right after the first read returns."""
+
+    def __init__(self, inner: Any, overwrite: Any) -> None:
+        self.inner = inner
+        self.overwrite = overwrite
+        self.done = False
+
+    async def read(self, bucket: str, key: str, **kwargs: Any) -> Any:
+        res = await self.inner.read(bucket, key, **kwargs)
+        if not self.done:
+            self.done = True
+            await asyncio.to_thread(self.overwrite)
+        return res
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 def test_object_replaced_between_parts_is_object_changed(s3_bucket: Any, close_engines: Any) -> None:
     size = 3 * 1024**2
     s3_bucket.put("big.bin", b"a" * size)
-    engine = _engine(s3_bucket.storage_options, part_size="1MiB", concurrency=2)
+    opts = resolve_storage_options("s3", s3_bucket.storage_options)
+    overwriting = _OverwriteAfterFirstRead(S3Reader(opts), lambda: s3_bucket.put("big.bin", b"b" * size))
+    engine = FetchEngine(FetchOptions(part_size="1MiB", concurrency=2), "s3", opts, reader=overwriting)
     close_engines(engine)
-
-    async def overwrite(url: str, part: int) -> None:
-        await asyncio.to_thread(s3_bucket.put, "big.bin", b"b" * size)  # same size, new ETag
-
-    engine._part_hook = overwrite
     with pytest.raises(ObjectChanged) as info:
         _fetch(engine, s3_bucket.url("big.bin"), size=size)
     assert s3_bucket.url("big.bin") in str(info.value)
     # A listing taken before the overwrite is stale for every part as well.
-    engine._part_hook = None
+    engine = _engine(s3_bucket.storage_options, part_size="1MiB", concurrency=2)
+    close_engines(engine)
     with pytest.raises(ObjectChanged):
         _fetch(engine, s3_bucket.url("big.bin"), size=size, identity="0" * 32)
     assert _fetch(engine, s3_bucket.url("big.bin"), size=size)[0] == b"b" * size

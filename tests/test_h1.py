@@ -1,4 +1,4 @@
-"""The HTTP/1.1 client of the S3 hot path (blobdata._h1), against real sockets only.
+"""The HTTP/1.1 client of the S3 hot path (blobdata._stores.h1), against real sockets only.
 
 Most tests run a small scripted asyncio server on 127.0.0.1 in the test's own loop: each request
 gets a reply chosen by ``(connection number, request number on it)``, and the server counts the
@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from blobdata._fetch import TransientError
-from blobdata._h1 import ERROR_BODY_CAP, BadResponse, ConnectionLost, H1Pool, IncompleteBody
-from blobdata._http import ProcessBound
-from blobdata._s3 import S3Reader
+from blobdata._errors import TransientError
+from blobdata._stores.h1 import ERROR_BODY_CAP, BadResponse, ConnectionLost, H1Pool, IncompleteBody
+from blobdata._stores.http import ProcessBound
+from blobdata._stores.s3 import S3Reader
 from tests.support import wait_child
 
 pytestmark = pytest.mark.timeout(30)

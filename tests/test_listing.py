@@ -22,8 +22,9 @@ from blobdata._errors import (
     NotFound,
     Throttled,
 )
-from blobdata._listing import IMG_EXTENSIONS, identity_from_info, list_folder, load_or_list, translate_error
+from blobdata._listing import IMG_EXTENSIONS, identity_from_info, list_folder, load_or_list
 from blobdata._manifest import Manifest
+from blobdata._retry import final_error
 
 # A tree with everything ImageFolder has an opinion about: nested files, mixed-case extensions,
 # non-image files, files directly under the root, unicode, spaces and '+' in names, and directory
@@ -319,7 +320,7 @@ def test_throttle_is_never_not_found() -> None:
             except ClientError as inner:
                 raise FileNotFoundError("s3fs's translation") from inner
         except FileNotFoundError as outer:
-            err = translate_error(outer, "s3://b/p")
+            err = final_error(outer, "s3://b/p", store="s3", what="listing")
         assert isinstance(err, Throttled) and not isinstance(err, FileNotFoundError), code
         assert "s3://b/p" in str(err)
 
@@ -454,20 +455,24 @@ def test_precomputed_manifest_corrupt(local_tree: Path, tmp_path: Path) -> None:
 def _both_listers(url: str, storage_options: dict[str, Any]) -> list[Any]:
     """(sorted classes, each folder's objects sorted) from the s3fs lister and from the lean one,
     or the error each raised, stated as list_folder states it."""
-    from blobdata._fs import get_fs, resolve_storage_options
-    from blobdata._listing import _list_with, _S3LeanLister, _S3Lister
+    from blobdata._config import FetchOptions
+    from blobdata._listing import list_with
     from blobdata._loop import run
+    from blobdata._stores.fsspec import get_fs
+    from blobdata._stores.options import resolve_storage_options
+    from blobdata._stores.s3_listing import S3fsLister, S3LeanLister
     from blobdata._url import parse_url
 
     parsed = parse_url(url)
     opts = resolve_storage_options("s3", storage_options)
     out: list[Any] = []
-    for lister in (_S3Lister(parsed, get_fs("s3", opts)), _S3LeanLister(parsed, opts, 8)):
+    options = FetchOptions(concurrency=8)
+    for lister in (S3fsLister(parsed, get_fs("s3", opts), options), S3LeanLister(parsed, opts, options)):
         try:
-            classes, results = run(_list_with(lister, parsed, 8))
+            classes, results = run(list_with(lister, parsed, 8))
             out.append((classes, [sorted(objs) for objs in results]))
         except Exception as exc:
-            err = translate_error(exc, url)
+            err = final_error(exc, url, store="s3", what="listing")
             out.append((type(err), str(err)))
         finally:
             run(lister.aclose())
@@ -524,7 +529,10 @@ def test_lean_lister_errors_match_s3fs(s3_bucket: Any) -> None:
 
 
 def test_lean_s3_path_only_for_what_it_supports() -> None:
-    from blobdata._listing import _lean_s3, _lister, _S3LeanLister, _S3Lister
+    from blobdata._config import FetchOptions
+    from blobdata._stores import lister_for
+    from blobdata._stores.s3_listing import S3fsLister, S3LeanLister
+    from blobdata._stores.s3_listing import lean_s3 as _lean_s3
     from blobdata._url import parse_url
 
     url = parse_url("s3://bucket/train")
@@ -535,9 +543,10 @@ def test_lean_s3_path_only_for_what_it_supports() -> None:
         "client_kwargs": {"region_name": "eu-west-1"},
         "config_kwargs": {"max_pool_connections": 9},
     }
-    assert isinstance(_lister(url, base, 4), _S3LeanLister)
+    assert isinstance(lister_for(url, base, FetchOptions(concurrency=4)), S3LeanLister)
     assert _lean_s3({**base, "version_aware": False, "requester_pays": False})
-    assert isinstance(_lister(url, {**base, "version_aware": True}, 4), _S3Lister)
+    versioned = lister_for(url, {**base, "version_aware": True}, FetchOptions(concurrency=4))
+    assert isinstance(versioned, S3fsLister)
     for extra in (
         {"requester_pays": True},
         {"s3_additional_kwargs": {"RequestPayer": "requester"}},

@@ -1,31 +1,26 @@
-"""A small asyncio HTTP/1.1 GET client for the S3 hot path: one connection pool per process and loop.
-
-Why not aiohttp here: it spends ~0.3 ms of client CPU per 100 KB GET (request and URL objects,
-stream readers, timers per phase); this client parses the response in an
-:class:`asyncio.BufferedProtocol` and receives a Content-Length body straight into a pre-sized
-buffer, about half of that. GCS and Azure keep aiohttp (``_http.py``).
-
-Scope, deliberately narrow: GET without a body, no redirects, cookies, proxies or decompression
-(bytes arrive as stored). Bodies by Content-Length, ``Transfer-Encoding: chunked``, or until the
-server closes. A failure is never retried here, not even on a reused keep-alive connection that the
-server closed: blobdata's engine owns the one retry budget. Errors:
-
-- :class:`ConnectionLost` (a ``ConnectionError``): closed or reset before a complete response head;
-  ``OSError`` from connect/TLS passes through as is.
-- :class:`IncompleteBody` (a ``ConnectionError``): closed mid-body.
-- :class:`BadResponse`: not HTTP/1.x, or a head over 64 KiB.
-- ``TimeoutError``: the request's deadline (connect to last byte) passed.
+"""The wire half of :mod:`.h1`: one connection as an :class:`asyncio.BufferedProtocol` that writes a
+GET and parses its response (status line, headers, a body framed by Content-Length, chunked encoding
+or the server closing), plus the response and error types.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import ssl
-from collections import deque
-from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["BadResponse", "ConnectionLost", "H1Pool", "IncompleteBody", "Response"]
+__all__ = [
+    "ERROR_BODY_CAP",
+    "MAX_HEAD",
+    "TARGET_RE",
+    "BadResponse",
+    "Conn",
+    "ConnectionLost",
+    "Headers",
+    "IncompleteBody",
+    "Response",
+    "expire",
+]
 
 MAX_HEAD = 64 * 1024  # bytes of status line + headers
 ERROR_BODY_CAP = 64 * 1024  # bytes kept of a non-2xx body; the connection closes when there is more
@@ -34,7 +29,7 @@ ERROR_BODY_CAP = 64 * 1024  # bytes kept of a non-2xx body; the connection close
 # the body bytes that share a read with the head are copied.
 _READ_SIZE = 16 * 1024
 _HEX_RE = re.compile(r"[0-9A-Fa-f]{1,15}")
-_TARGET_RE = re.compile(r"/[^\s]*")
+TARGET_RE = re.compile(r"/[^\s]*")
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 
 
@@ -75,10 +70,10 @@ class Response:
         self.status, self.headers, self.body, self.content_length = status, headers, body, content_length
 
 
-class _Conn(asyncio.BufferedProtocol):
+class Conn(asyncio.BufferedProtocol):
     """One connection: parses one response at a time into ``fut``."""
 
-    def __init__(self, pool: H1Pool, origin: str) -> None:
+    def __init__(self, pool: Any, origin: str) -> None:  # pool: H1Pool (it imports this module)
         self.pool, self.origin = pool, origin
         self.transport: asyncio.Transport | None = None
         self.scratch = bytearray(_READ_SIZE)
@@ -310,214 +305,7 @@ class _Conn(asyncio.BufferedProtocol):
             self.fut.set_result(resp)
 
 
-def _expire(fut: asyncio.Future[None], what: str) -> None:
+def expire(fut: asyncio.Future[None], what: str) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError(what))
 
-
-class H1Pool:
-    """Keep-alive connections for one process and event loop (create and use it inside that loop).
-
-    ``limit`` connections at most, all origins together; a request beyond it waits for a free one.
-    Idle connections are reused last-in first-out and closed after ``idle_timeout`` seconds
-    (default 30). ``verify`` is botocore's: True (default), False (no certificate check) or a CA
-    bundle path. Hold it in :class:`blobdata._http.ProcessBound` so a forked child makes its own.
-    """
-
-    def __init__(self, limit: int, *, verify: bool | str = True, idle_timeout: float = 30.0) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._limit = limit
-        self._busy = 0  # requests holding a connection slot
-        self._waiters: deque[asyncio.Future[None]] = deque()  # requests waiting for a slot, FIFO
-        self._idle_timeout = idle_timeout
-        self._idle: dict[str, list[_Conn]] = {}
-        self._conns: set[_Conn] = set()
-        self._origins: dict[str, tuple[str, int, ssl.SSLContext | None]] = {}
-        self._sweeper: asyncio.TimerHandle | None = None
-        self._closed = False
-        self._ssl: ssl.SSLContext | None = None
-        self._verify = verify
-
-    async def get(self, origin: str, target: str, headers: Mapping[str, str], timeout: float) -> Response:
-        """GET ``target`` (path and query, already encoded) from ``origin`` (``http[s]://host[:port]``)
-        with ``headers`` (Host included), within ``timeout`` seconds from now, connect to last byte."""
-        loop = self._loop
-        deadline = loop.time() + timeout
-        if self._closed:
-            raise ConnectionError("the connection pool is closed")
-        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-        if (
-            lines.count("\n") != len(headers)
-            or lines.count("\r") != len(headers)
-            or not _TARGET_RE.fullmatch(target)
-        ):
-            raise ValueError("a header or the request target contains a line break or a space")
-        request = f"GET {target} HTTP/1.1\r\n{lines}\r\n".encode("latin-1")
-        if self._busy < self._limit and not self._waiters:
-            self._busy += 1
-        else:
-            await self._wait_slot(deadline)
-        conn: _Conn | None = None
-        ok = False
-        try:
-            conn = self._take_idle(origin)
-            if conn is None:
-                conn = await self._connect(origin, deadline)
-            fut: asyncio.Future[Response] = loop.create_future()
-            conn.send(request, fut)
-            timer = loop.call_at(deadline, conn.expire)
-            try:
-                resp = await fut
-            finally:
-                timer.cancel()
-            ok = True
-            return resp
-        finally:
-            if conn is not None:
-                if not ok:  # failed or cancelled: may be mid-response, never reused
-                    conn.abort()
-                elif conn.keep_alive and not conn.closed and not self._closed:
-                    self._put_idle(conn)
-                elif conn.transport is not None:
-                    conn.transport.close()
-            self._release_slot()
-
-    async def _wait_slot(self, deadline: float) -> None:
-        """Wait for a slot until ``deadline``; a releasing request hands its slot over directly."""
-        fut: asyncio.Future[None] = self._loop.create_future()
-        self._waiters.append(fut)
-        timer = self._loop.call_at(deadline, _expire, fut, "no free connection before the deadline")
-        try:
-            await fut
-        except BaseException:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._release_slot()  # handed a slot, then cancelled before running: pass it on
-            elif fut in self._waiters:
-                self._waiters.remove(fut)
-            raise
-        finally:
-            timer.cancel()
-
-    def _release_slot(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self._busy -= 1
-
-    def _take_idle(self, origin: str) -> _Conn | None:
-        stack = self._idle.get(origin)
-        now = self._loop.time()
-        while stack:
-            conn = stack.pop()
-            if conn.closed or conn.transport is None or conn.transport.is_closing():
-                continue
-            if now - conn.idle_since >= self._idle_timeout:
-                conn.transport.close()
-                continue
-            conn.reused = True
-            return conn
-        return None
-
-    def _put_idle(self, conn: _Conn) -> None:
-        conn.idle_since = self._loop.time()
-        self._idle.setdefault(conn.origin, []).append(conn)
-        if self._sweeper is None:
-            self._sweeper = self._loop.call_at(conn.idle_since + self._idle_timeout, self._sweep)
-
-    def _sweep(self) -> None:
-        """Close connections idle for ``idle_timeout``; run again while some stay idle."""
-        self._sweeper = None
-        cutoff = self._loop.time() - self._idle_timeout
-        oldest = None
-        for stack in self._idle.values():
-            while stack and stack[0].idle_since <= cutoff:  # LIFO: the oldest are at the bottom
-                conn = stack.pop(0)
-                if conn.transport is not None:
-                    conn.transport.close()
-            if stack and (oldest is None or stack[0].idle_since < oldest):
-                oldest = stack[0].idle_since
-        if oldest is not None:
-            self._sweeper = self._loop.call_at(oldest + self._idle_timeout, self._sweep)
-
-    async def _connect(self, origin: str, deadline: float) -> _Conn:
-        target = self._origins.get(origin) or self._parse(origin)
-        host, port, ctx = target
-        if len(self._conns) >= self._limit:  # an idle one for another origin: the limit is global
-            stacks = [s for s in self._idle.values() if s]
-            if stacks:
-                victim = min(stacks, key=lambda s: s[0].idle_since).pop(0)
-                victim.abort()
-        # Connecting is rare (a new keep-alive connection), so a task and a closure are affordable here.
-        task = self._loop.create_task(
-            self._loop.create_connection(
-                lambda: _Conn(self, origin), host, port, ssl=ctx, server_hostname=host if ctx else None
-            )
-        )
-        expired = False
-
-        def on_deadline() -> None:
-            nonlocal expired
-            expired = True
-            task.cancel()
-
-        timer = self._loop.call_at(deadline, on_deadline)
-        try:
-            _, conn = await task
-        except asyncio.CancelledError:
-            if task.done() and not task.cancelled() and task.exception() is None:
-                task.result()[1].abort()  # connected just as we were cancelled
-            if expired:
-                raise TimeoutError("no connection before the deadline") from None
-            raise
-        finally:
-            timer.cancel()
-        if self._closed:
-            conn.abort()
-            raise ConnectionError("the connection pool was closed")
-        return conn
-
-    def _parse(self, origin: str) -> tuple[str, int, ssl.SSLContext | None]:
-        scheme, sep, hostport = origin.partition("://")
-        if scheme not in ("http", "https") or not sep or not hostport:
-            raise ValueError(f"origin must be http(s)://host[:port], got {origin!r}")
-        host, port = hostport, 443 if scheme == "https" else 80
-        m = re.fullmatch(r"(\[[^\]]+\]|[^:]+)(?::(\d+))?", hostport)
-        if m is None:
-            raise ValueError(f"bad host in origin {origin!r}")
-        host = m.group(1).strip("[]")
-        port = int(m.group(2)) if m.group(2) else port
-        ctx = self._ssl_context() if scheme == "https" else None
-        self._origins[origin] = (host, port, ctx)
-        return host, port, ctx
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        if self._ssl is None:
-            verify = self._verify
-            ctx = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
-            if verify is False:
-                ctx.check_hostname = False
-                ctx.verify_mode = ssl.CERT_NONE
-            self._ssl = ctx
-        return self._ssl
-
-    def _lost(self, conn: _Conn) -> None:
-        self._conns.discard(conn)
-        stack = self._idle.get(conn.origin)
-        if stack and conn in stack:
-            stack.remove(conn)
-
-    async def aclose(self) -> None:
-        """Close every connection, idle or busy (busy requests fail); waits up to 1 s for the sockets."""
-        self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-        self._idle.clear()
-        for conn in list(self._conns):
-            conn.abort()
-        for i in range(200):
-            if not self._conns:
-                break
-            await asyncio.sleep(0 if i < 20 else 0.005)

@@ -2,12 +2,12 @@
 
 One aiohttp session per process; credentials come from gcsfs's own credential handling (``token``:
 a service-account file, a credentials object, ``"anon"``, ``"google_default"``, ...), taken from the
-per-process filesystem of :func:`blobdata._fs.get_fs`, so the listing and every read of a process
+per-process filesystem of :func:`blobdata._stores.fsspec.get_fs`, so the listing and every read of a process
 share one resolution (one metadata-server round trip at most, never one per request or per worker
 thread). Refreshing an expiring token runs in a thread, off the event loop.
 
-Identity is the object's generation (what :func:`blobdata._listing.identity_from_info` stores for
-``gs://``). A read with an expected generation sends ``generation=N``: the store serves exactly that
+Identity is the object's generation (what :func:`identity` lists). A read with an expected
+generation sends ``generation=N``: the store serves exactly that
 version, or 404 once it is gone (then :class:`ObjectChanged` if the object still exists, else
 :class:`NotFound`); the ``x-goog-generation`` response header is checked as well.
 
@@ -30,12 +30,19 @@ from urllib.parse import quote
 import aiohttp
 import yarl
 
-from ._errors import AccessDenied, FetchError, NotFound, ObjectChanged
-from ._fetch import ReadResult, TransientError
-from ._fs import get_fs, resolve_storage_options
-from ._http import ProcessBound, lean_session
+from .._errors import (
+    BlobdataError,
+    NotFound,
+    ObjectChanged,
+    TransientError,
+    from_status,
+)
+from .base import ReadResult
+from .fsspec import get_fs
+from .http import ProcessBound, lean_session
+from .options import resolve_storage_options
 
-__all__ = ["GCSReader"]
+__all__ = ["GCSReader", "identity"]
 
 _DEFAULT_LOCATION = "https://storage.googleapis.com"
 _REFRESH_MARGIN_S = 300.0  # refresh a token this long before it expires (gcsfs uses the same margin)
@@ -218,24 +225,12 @@ def _changed(url: str, expected: str, current: str) -> ObjectChanged:
     )
 
 
-def _http_error(url: str, status: int, retry_after: str | None) -> Exception:
-    """Map one failed GCS response to the blobdata error (or a TransientError to retry)."""
-    if status == 404:
-        return NotFound(
-            f"{url}: no such object or bucket (HTTP 404); check the URL, or rebuild a stale listing "
-            "with refresh=True",
-            url,
-        )
-    if status in (401, 403):
-        return AccessDenied(
-            f"{url}: access denied (HTTP {status}); check token= in storage_options (a service-account "
-            "file, 'google_default', or 'anon' for a public bucket) and the bucket's IAM policy",
-            url,
-        )
-    if status == 412:
-        return ObjectChanged(f"{url} changed since it was listed (HTTP 412): rebuild the listing", url)
-    if status in (429, 503):
-        return TransientError("throttle", f"{url}: throttled (HTTP {status})", retry_after=retry_after)
-    if status >= 500 or status == 408:
-        return TransientError("server", f"{url}: server error (HTTP {status})")
-    return FetchError(f"{url}: the store refused the request (HTTP {status})", url)
+def _http_error(url: str, status: int, retry_after: str | None) -> BlobdataError | TransientError:
+    """One failed GCS response as the blobdata error (or a TransientError to retry): the one map."""
+    return from_status(url, status, store="gs", retry_after=retry_after)
+
+
+def identity(info: Mapping[str, Any]) -> str:
+    """GCS's identity of a listed object: its generation (the etag where there is none)."""
+    generation = info.get("generation")
+    return str(generation) if generation is not None else str(info.get("etag") or "")

@@ -1,41 +1,28 @@
 """HTTP plumbing shared by the lean readers: per-process clients (S3, GCS, Azure), lean aiohttp
-sessions (GCS, Azure; S3 has its own client, :mod:`blobdata._h1`).
+sessions (GCS, Azure; S3 has its own client, :mod:`blobdata._stores.h1`).
 
-A client (an aiohttp session, an :class:`~blobdata._h1.H1Pool`, an Azure service client) belongs
+A client (an aiohttp session, an :class:`~blobdata._stores.h1.H1Pool`, an Azure service client) belongs
 to the process and event loop that made it. After fork, or on another loop, it must neither be used
 nor closed (closing would touch the parent's sockets): :class:`ProcessBound` makes a new one and
-keeps the old one referenced in ``orphans`` so that its destructor never runs against the parent's
-connections.
+keeps the old one referenced (:func:`blobdata._process.orphan`) so that its destructor never runs
+against the parent's connections.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
 
 import aiohttp
 
+from .. import _process
+
 __all__ = ["ProcessBound", "lean_session"]
 
 C = TypeVar("C")
 
-#: Clients inherited from another process or loop: kept alive, never used, never closed here.
-orphans: list[Any] = []
-
-# This process's id, renewed in a forked child: ``os.getpid()`` is a system call (~0.5 us in a VM)
-# that every request would otherwise make.
-_pid = os.getpid()
-
-
-def _renew_pid() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_renew_pid)
 
 
 class ProcessBound(Generic[C]):
@@ -54,11 +41,11 @@ class ProcessBound(Generic[C]):
         """This process's client for the running loop (call from a coroutine)."""
         loop = asyncio.get_running_loop()
         client, owner = self._client, self._owner
-        if client is not None and owner is not None and owner[0] == _pid and owner[1] is loop:
+        if client is not None and owner is not None and owner[0] == _process.pid() and owner[1] is loop:
             return client
-        owner = (_pid, loop)
+        owner = (_process.pid(), loop)
         if self._client is not None:
-            orphans.append(self._client)
+            _process.orphan(self._client)
         self._client = self._make()
         self._owner = owner
         return self._client
@@ -69,10 +56,10 @@ class ProcessBound(Generic[C]):
         self._client = self._owner = None
         if client is None:
             return
-        if owner is not None and owner[0] == os.getpid() and owner[1] is asyncio.get_running_loop():
+        if owner is not None and owner[0] == _process.pid() and owner[1] is asyncio.get_running_loop():
             await self._close(client)
         else:
-            orphans.append(client)
+            _process.orphan(client)
 
 
 def lean_session(

@@ -1,4 +1,4 @@
-"""The lean S3 GET path: our own SigV4 signer and our own HTTP/1.1 client (:mod:`blobdata._h1`).
+"""The lean S3 GET path: our own SigV4 signer and our own HTTP/1.1 client (:mod:`blobdata._stores.h1`).
 
 Why not s3fs/aiobotocore for the hot path: they spend ~2 ms of client CPU per 100 KB object
 (request serialisation, event hooks, response parsing); a signed GET through :class:`H1Pool`
@@ -17,75 +17,35 @@ Listing: :meth:`S3Reader.list_page` is one signed ListObjectsV2 request parsed w
 (~0.03 s of CPU per 1,000-key page, where botocore's parser spends ~0.14 s). It asks for
 ``encoding-type=url`` so keys with control characters survive XML, and decodes them as botocore
 does; a server that ignores the parameter is read verbatim. Retries go through
-:func:`blobdata._fetch.with_retries`, the one retry budget.
+:func:`blobdata._retry.with_retries`, the one retry budget. The lister is in :mod:`.s3_listing`;
+the signer in :mod:`.sigv4`; the ListObjectsV2 wire format in :mod:`.s3xml`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import os
 import re
-import threading
-import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeVar
-from urllib.parse import quote, unquote_plus
+from typing import Any, TypeVar
 
 import yarl
 
-from ._config import env
-from ._errors import AccessDenied, ConfigError, FetchError, NotFound, ObjectChanged
-from ._fetch import ReadResult, TransientError
-from ._fs import resolve_storage_options
-from ._h1 import BadResponse, H1Pool, IncompleteBody, Response
-from ._http import ProcessBound
+from .._config import env
+from .._errors import ConfigError, FetchError, ObjectChanged, TransientError, from_status
+from .base import ReadResult
+from .h1 import BadResponse, H1Pool, IncompleteBody, Response
+from .http import ProcessBound
+from .options import resolve_storage_options
+from .s3xml import ListPage, list_query, parse_list_page
+from .sigv4 import Credentials, SigV4Signer, cached_chain, quote_key, resolve_chain
 
-__all__ = [
-    "EMPTY_SHA256",
-    "UNSIGNED_PAYLOAD",
-    "ListPage",
-    "S3ErrorResponse",
-    "S3Reader",
-    "SigV4Signer",
-    "list_query",
-    "parse_list_page",
-    "quote_key",
-    "split_identity",
-]
+__all__ = ["S3ErrorResponse", "S3Reader", "split_identity"]
 
 T = TypeVar("T")
 
-EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
 _CODE_RE = re.compile(rb"<Code>([^<]{1,80})</Code>")
 _REGION_RE = re.compile(rb"<Region>([a-z0-9-]{1,40})</Region>")
 _RANGE_TOTAL_RE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
-# A key made only of characters that quote_key keeps is its own encoding (the common case).
-_PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9/._~-]*")
-
-
-class Credentials(NamedTuple):
-    """One set of static credentials. Deliberately no readable repr: it would print the secret."""
-
-    access_key: str
-    secret_key: str
-    token: str | None
-
-    def __repr__(self) -> str:
-        return "Credentials(***)"
-
-
-def quote_key(key: str) -> str:
-    """Percent-encode an object key for the request path the way S3 canonicalises it.
-
-    UTF-8 bytes, unreserved characters (``A-Za-z0-9-._~``) and ``/`` kept, everything else
-    (space, ``+``, ``%``, unicode, ...) percent-encoded; no path normalisation.
-    """
-    # ``quote`` rebuilds its safe set on every call (~1.3 us); a plain key skips it.
-    return key if _PLAIN_KEY_RE.fullmatch(key) else quote(key, safe="/~")
 
 
 def split_identity(identity: str) -> tuple[str, str | None]:
@@ -94,249 +54,17 @@ def split_identity(identity: str) -> tuple[str, str | None]:
     return etag.strip('"'), (version or None)
 
 
-class ListPage(NamedTuple):
-    """One ListObjectsV2 page: parallel lists of ``keys`` (decoded, exactly as stored), ``sizes``
-    (bytes) and ``etags`` (quotes stripped), the ``common_prefixes`` (with their trailing delimiter)
-    and ``next_token``, the continuation token of the next page (``None`` on the last page)."""
-
-    keys: list[str]
-    sizes: list[int]
-    etags: list[str]
-    common_prefixes: list[str]
-    next_token: str | None
-
 
 class S3ErrorResponse(Exception):
     """The HTTP status and S3 error code of a refused request, chained as the ``__cause__`` of the
     error raised for it, so a caller can restate it (``error_code``/``status_code`` are the names
-    :func:`blobdata._listing.translate_error` reads). Never holds the response body."""
+    :func:`blobdata._errors.translate` reads). Never holds the response body."""
 
     def __init__(self, status_code: int, error_code: str | None) -> None:
         super().__init__(f"HTTP {status_code}{' ' + error_code if error_code else ''}")
         self.status_code = status_code
         self.error_code = error_code
 
-
-def _query_quote(value: str) -> str:
-    # SigV4's URI encoding: every byte but A-Za-z0-9-_.~ as %XX (upper case), '/' included.
-    return quote(value, safe="")
-
-
-def list_query(prefix: str, *, delimiter: str | None, continuation: str | None, max_keys: int = 1000) -> str:
-    """The query string of one ListObjectsV2 request (``encoding-type=url``), already canonical for
-    SigV4: parameters sorted by name, names and values percent-encoded. It is sent exactly as signed.
-
-    An empty ``prefix`` or ``delimiter`` is left out (the store treats both alike).
-    """
-    params = [("encoding-type", "url"), ("list-type", "2"), ("max-keys", str(max_keys))]
-    if continuation is not None:
-        params.append(("continuation-token", continuation))
-    if delimiter:
-        params.append(("delimiter", delimiter))
-    if prefix:
-        params.append(("prefix", prefix))
-    return "&".join(f"{_query_quote(k)}={_query_quote(v)}" for k, v in sorted(params))
-
-
-def _malformed(url: str, what: str) -> FetchError:
-    return FetchError(
-        f"{url}: the store sent a listing page that cannot be read ({what}); check endpoint_url points "
-        "at an S3 API",
-        url,
-    )
-
-
-def parse_list_page(body: bytes, url: str) -> ListPage:
-    """Parse a ListObjectsV2 response body (``xml.etree``, any or no XML namespace).
-
-    Keys and prefixes are URL-decoded as botocore decodes them (``unquote_plus``) when the response
-    says ``<EncodingType>url</EncodingType>``, and taken verbatim when the server ignored the
-    request for it. Raises :class:`FetchError` naming ``url`` for anything that is not a listing.
-    """
-    # ElementTree never fetches external entities, and expat >= 2.4 caps entity expansion.
-    try:
-        root = ET.fromstring(body)
-    except ET.ParseError as exc:
-        raise _malformed(url, f"invalid XML: {exc}") from None
-    tag = root.tag
-    ns = tag[: tag.index("}") + 1] if tag.startswith("{") else ""
-    if tag[len(ns) :] != "ListBucketResult":
-        raise _malformed(url, f"root element {tag[len(ns) :]!r}")
-    t_contents, t_common, t_key, t_size, t_etag, t_prefix = (
-        ns + n for n in ("Contents", "CommonPrefixes", "Key", "Size", "ETag", "Prefix")
-    )
-    t_encoding, t_truncated, t_next = (
-        ns + n for n in ("EncodingType", "IsTruncated", "NextContinuationToken")
-    )
-    keys: list[str] = []
-    sizes: list[int] = []
-    etags: list[str] = []
-    prefixes: list[str] = []
-    encoded = truncated = False
-    token: str | None = None
-    for el in root:
-        t = el.tag
-        if t == t_contents:
-            key = size = None
-            etag = ""
-            for field in el:
-                ft = field.tag
-                if ft == t_key:
-                    key = field.text or ""
-                elif ft == t_size:
-                    size = field.text
-                elif ft == t_etag:
-                    etag = (field.text or "").strip('"')
-            if key is None or size is None:
-                raise _malformed(url, "an entry without Key or Size")
-            try:
-                sizes.append(int(size))
-            except ValueError:
-                raise _malformed(url, f"size {size!r}") from None
-            keys.append(key)
-            etags.append(etag)
-        elif t == t_common:
-            prefixes.extend(field.text or "" for field in el if field.tag == t_prefix)
-        elif t == t_encoding:
-            encoded = (el.text or "").strip().lower() == "url"
-        elif t == t_truncated:
-            truncated = (el.text or "").strip().lower() == "true"
-        elif t == t_next:
-            token = el.text or None
-    if encoded:
-        keys = [unquote_plus(k) if "%" in k or "+" in k else k for k in keys]
-        prefixes = [unquote_plus(p) if "%" in p or "+" in p else p for p in prefixes]
-    if not truncated:
-        token = None
-    elif token is None:
-        raise _malformed(url, "IsTruncated without a NextContinuationToken")
-    return ListPage(keys, sizes, etags, prefixes, token)
-
-
-class SigV4Signer:
-    """AWS Signature Version 4 for S3 requests without a body (GET/HEAD).
-
-    Per (credentials, date, region) the derived signing key, the credential scope and the start of
-    the ``Authorization`` header are computed once, so a request costs one SHA-256 of the canonical
-    request and one HMAC. The ``x-amz-date`` stamp is formatted once per second.
-    ``unsigned_payload`` sends ``UNSIGNED-PAYLOAD`` as the content hash instead of the SHA-256 of
-    the empty body (both are valid for a GET).
-    """
-
-    def __init__(self, *, service: str = "s3", unsigned_payload: bool = False) -> None:
-        self.service = service
-        self.payload_hash = UNSIGNED_PAYLOAD if unsigned_payload else EMPTY_SHA256
-        self._scopes: dict[tuple[str, str, str, str], _Scope] = {}
-        # (unix second, its x-amz-date stamp): one tuple, swapped whole, so threads never see a torn pair.
-        self._clock: tuple[int, str] = (-1, "")
-
-    def __repr__(self) -> str:
-        return f"SigV4Signer(service={self.service!r})"
-
-    def _signing_key(self, secret: str, date: str, region: str) -> bytes:
-        k = hmac.new(("AWS4" + secret).encode(), date.encode(), hashlib.sha256).digest()
-        k = hmac.new(k, region.encode(), hashlib.sha256).digest()
-        k = hmac.new(k, self.service.encode(), hashlib.sha256).digest()
-        return hmac.new(k, b"aws4_request", hashlib.sha256).digest()
-
-    def _scope(self, credentials: Credentials, date: str, region: str) -> _Scope:
-        cache_key = (credentials.access_key, credentials.secret_key, date, region)
-        scope = self._scopes.get(cache_key)
-        if scope is None:
-            if len(self._scopes) > 16:
-                self._scopes.clear()  # old dates and rotated secrets
-            name = f"{date}/{region}/{self.service}/aws4_request"
-            scope = self._scopes[cache_key] = _Scope(
-                name,
-                f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{name}, SignedHeaders=",
-                self._signing_key(credentials.secret_key, date, region),
-            )
-        return scope
-
-    def _now(self) -> str:
-        now = int(time.time())
-        clock = self._clock
-        if clock[0] != now:
-            clock = self._clock = (now, time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now)))
-        return clock[1]
-
-    def sign(
-        self,
-        method: str,
-        host: str,
-        path: str,
-        headers: dict[str, str],
-        credentials: Credentials,
-        region: str,
-        *,
-        query: str = "",
-        amz_date: str | None = None,
-    ) -> dict[str, str]:
-        """Add ``x-amz-date``, ``x-amz-content-sha256``, the token and ``Authorization`` to ``headers``.
-
-        ``path`` is the already-encoded request path (see :func:`quote_key`), ``query`` the canonical
-        query string, ``host`` the Host header (port included when not the default). ``amz_date``
-        (``YYYYMMDDTHHMMSSZ``, default now) exists for tests. Returns ``headers``.
-        """
-        if amz_date is None:
-            amz_date = self._now()
-        headers["x-amz-date"] = amz_date
-        headers["x-amz-content-sha256"] = self.payload_hash
-        if credentials.token:
-            headers["x-amz-security-token"] = credentials.token
-        canon = {k.lower(): v for k, v in headers.items()}
-        canon["host"] = host
-        names = sorted(canon)
-        signed = ";".join(names)
-        # SigV4 trims each value and collapses its inner runs of spaces.
-        canonical_headers = "".join([f"{n}:{' '.join(canon[n].split())}\n" for n in names])
-        canonical_request = f"{method}\n{path}\n{query}\n{canonical_headers}\n{signed}\n{self.payload_hash}"
-        scope = self._scope(credentials, amz_date[:8], region)
-        string_to_sign = (
-            f"AWS4-HMAC-SHA256\n{amz_date}\n{scope.name}\n"
-            f"{hashlib.sha256(canonical_request.encode()).hexdigest()}"
-        )
-        signature = hmac.new(scope.key, string_to_sign.encode(), hashlib.sha256).hexdigest()
-        headers["Authorization"] = f"{scope.auth_prefix}{signed}, Signature={signature}"
-        return headers
-
-
-class _Scope(NamedTuple):
-    """What one (credentials, date, region) signs with: the credential scope ``name``, the
-    ``Authorization`` header up to its signed-header list, and the derived signing ``key``."""
-
-    name: str
-    auth_prefix: str
-    key: bytes
-
-
-# botocore's credential chain, resolved once per process (env, config files, SSO, IMDS, ...).
-_chain: dict[tuple[int, str | None], Any] = {}
-
-
-_chain_lock = threading.Lock()
-
-
-def _reset_chain_lock() -> None:
-    # A fork while another thread resolves credentials would hand the child a held lock.
-    global _chain_lock
-    _chain_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_chain_lock)
-
-
-def _resolve_chain(profile: str | None) -> Any:
-    """botocore's chain for ``profile``, resolved at most once per process: requests that start
-    together wait here (in threads) for the first resolution instead of each asking IMDS/SSO."""
-    import botocore.session
-
-    cache_key = (os.getpid(), profile)
-    with _chain_lock:
-        if cache_key not in _chain:
-            session = botocore.session.Session(profile=profile) if profile else botocore.session.get_session()
-            _chain[cache_key] = session.get_credentials()
-        return _chain[cache_key]
 
 
 class S3Reader:
@@ -403,12 +131,10 @@ class S3Reader:
             return None
         if self._static is not None:
             return self._static
-        cache_key = (os.getpid(), self._profile)
-        if cache_key in _chain:
-            creds = _chain[cache_key]
-        else:
+        creds = cached_chain(self._profile)
+        if creds is None:
             # Off the loop: the chain may read files or wait on the instance metadata service.
-            creds = await asyncio.to_thread(_resolve_chain, self._profile)
+            creds = await asyncio.to_thread(resolve_chain, self._profile)
         if creds is None:
             return None
         frozen = creds.get_frozen_credentials()  # refreshable credentials rotate here
@@ -443,7 +169,7 @@ class S3Reader:
 
         ``on_success`` reads a 200/206 response. Every other status becomes the error of
         :func:`_http_error` (chained to an :class:`S3ErrorResponse`), after at most one retry at the
-        region the store named; transport failures become :class:`~blobdata._fetch.TransientError`.
+        region the store named; transport failures become :class:`~blobdata._errors.TransientError`.
         ``timeout`` (seconds) bounds the whole request, connect to last byte.
         """
         pool = self._pools.get()
@@ -505,7 +231,7 @@ class S3Reader:
 
         Returns the body, the identity (the expected one when given, else the response's ETag) and
         the object's total size (from Content-Range or the body). Raises NotFound, AccessDenied,
-        ObjectChanged, FetchError, or :class:`~blobdata._fetch.TransientError` for what the caller
+        ObjectChanged, FetchError, or :class:`~blobdata._errors.TransientError` for what the caller
         may retry. ``timeout`` (seconds) bounds the whole request, connect to last byte.
         """
         url = f"s3://{bucket}/{key}"
@@ -540,7 +266,7 @@ class S3Reader:
         ``common_prefixes``; ``continuation`` is the previous page's ``next_token`` (None for the
         first page); ``max_keys`` caps the keys and prefixes of the page (the store's maximum is
         1000). ``timeout`` (seconds) bounds the request, connect to last byte. Raises NotFound (no
-        such bucket), AccessDenied, FetchError, or :class:`~blobdata._fetch.TransientError` for
+        such bucket), AccessDenied, FetchError, or :class:`~blobdata._errors.TransientError` for
         what the caller may retry (:func:`with_retries`).
         """
         url = f"s3://{bucket}/{prefix}"
@@ -604,29 +330,7 @@ def _error_code(body: bytes) -> str:
     return m.group(1).decode(errors="replace") if m else ""
 
 
+
 def _http_error(url: str, status: int, body: bytes, retry_after: str | None) -> Exception:
-    """Map one failed S3 response to the blobdata error (or a TransientError to retry)."""
-    code = _error_code(body)
-    what = f"HTTP {status}{' ' + code if code else ''}"
-    if status == 404:
-        if code == "NoSuchBucket":
-            return NotFound(f"{url}: the bucket does not exist ({what}); check the URL and endpoint", url)
-        return NotFound(
-            f"{url}: no such object ({what}); the listing may be stale, rebuild it with refresh=True", url
-        )
-    if status in (401, 403):
-        return AccessDenied(
-            f"{url}: access denied ({what}); check the credentials (key/secret, AWS_PROFILE, "
-            "AWS_ACCESS_KEY_ID) and the bucket policy, or pass anon=True for a public bucket",
-            url,
-        )
-    if status == 412:
-        return ObjectChanged(
-            f"{url} changed since it was listed ({what} on If-Match): rebuild the listing with refresh=True",
-            url,
-        )
-    if status == 429 or status == 503 or code in ("SlowDown", "Throttling", "RequestLimitExceeded"):
-        return TransientError("throttle", f"{url}: throttled ({what})", retry_after=retry_after)
-    if status >= 500 or status == 408 or code in ("RequestTimeout", "InternalError"):
-        return TransientError("server", f"{url}: server error ({what})")
-    return FetchError(f"{url}: the store refused the request ({what})", url)
+    """One failed S3 response as the blobdata error (or a TransientError to retry): the one map."""
+    return from_status(url, status, code=_error_code(body), store="s3", retry_after=retry_after)

@@ -1,31 +1,22 @@
-"""Filesystem clients: created lazily in each process, recreated when the process id changes.
+"""Storage options: the environment folded in once, a stable token for cache keys, a redacted copy.
 
-fsspec's async filesystems are bound to an event loop and refuse to run after fork, so blobdata
-never shares one across processes: :func:`get_fs` keys its cache by ``os.getpid()`` and builds
-the client on this process's background loop (:mod:`blobdata._loop`). Endpoints written the way
-each ecosystem writes them (``AWS_ENDPOINT_URL_S3``, ``STORAGE_EMULATOR_HOST``,
-``AZURE_STORAGE_CONNECTION_STRING``) are folded into the storage options here.
+Endpoints and credentials written the way each ecosystem writes them (``AWS_ENDPOINT_URL_S3``,
+``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_CONNECTION_STRING``, ...) are folded into the storage
+options here, where ``storage_options`` are silent; nothing else reads those variables.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import threading
 from collections.abc import Mapping
 from typing import Any
 
-import fsspec
+from .._config import env
+from .._errors import ConfigError
 
-from ._config import env
-from ._errors import AccessDenied, ConfigError
-from ._loop import get_loop
-
-__all__ = ["get_fs", "options_token", "redact", "resolve_storage_options"]
+__all__ = ["options_token", "redact", "resolve_storage_options"]
 
 _SECRET_WORDS = ("secret", "token", "password", "key", "credential", "sas", "connection_string", "signature")
-_lock = threading.Lock()
-_cache: dict[tuple[int, str, str], Any] = {}
 
 
 def resolve_storage_options(protocol: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -104,53 +95,3 @@ def redact(storage_options: Mapping[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
-
-
-def _fsspec_protocol(protocol: str) -> str:
-    return {"gs": "gcs", "az": "abfs"}.get(protocol, protocol)
-
-
-def get_fs(protocol: str, storage_options: Mapping[str, Any] | None = None) -> Any:
-    """The fsspec filesystem for ``protocol`` in this process (async where the backend is async).
-
-    ``storage_options`` must already be resolved (:func:`resolve_storage_options`).
-    """
-    opts = dict(storage_options or {})
-    key = (os.getpid(), protocol, options_token(protocol, opts))
-    fs = _cache.get(key)
-    if fs is not None:
-        return fs
-    with _lock:
-        fs = _cache.get(key)
-        if fs is not None:
-            return fs
-        for stale in [k for k in _cache if k[0] != key[0]]:
-            del _cache[stale]  # inherited from a parent process: unusable here
-        cls = fsspec.get_filesystem_class(_fsspec_protocol(protocol))
-        kwargs: dict[str, Any] = dict(opts)
-        if getattr(cls, "async_impl", False):
-            # Bound to blobdata's loop; blobdata only awaits the ``_``-prefixed coroutines, on that
-            # loop. ``asynchronous=False`` on purpose: fsspec drops ``loop`` when asynchronous=True, and
-            # the backends' weakref finalizers then have no loop to close their sessions on at exit.
-            kwargs.update(asynchronous=False, loop=get_loop())
-        if protocol == "s3":
-            # s3fs/aiobotocore default to 10 pooled connections; listing runs many prefixes at once.
-            config_kwargs = dict(kwargs.get("config_kwargs") or {})
-            config_kwargs.setdefault("max_pool_connections", 64)
-            kwargs["config_kwargs"] = config_kwargs
-        if protocol == "gs":
-            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-        kwargs["skip_instance_cache"] = True
-        try:
-            fs = cls(**kwargs)
-        except TypeError as exc:
-            raise ConfigError(f"invalid storage_options for {protocol}://: {exc}") from None
-        except Exception as exc:
-            # Credential resolution failed (a bad token, an unreachable token service, ...). The
-            # backend's text is dropped: gcsfs and adlfs put tokens and connection strings in theirs.
-            raise AccessDenied(
-                f"could not set up {protocol}:// access from storage_options and the environment "
-                f"({type(exc).__name__}): check the credentials (token, key, connection string)"
-            ) from None
-        _cache[key] = fs
-        return fs

@@ -9,7 +9,7 @@ process and refreshed by the SDK, never per request.
 
 A read with an expected identity sends ``If-Match`` (``etag=``, ``MatchConditions.IfNotModified``):
 a replaced blob fails with 412, reported as :class:`ObjectChanged`. The identity is the ETag without
-quotes, as :func:`blobdata._listing.identity_from_info` stores it. The SDK's own retries are off
+quotes, as :func:`identity` lists it. The SDK's own retries are off
 (the engine owns the one retry budget) and its exception texts are never echoed: they can hold the
 request URL, SAS signature included.
 """
@@ -21,12 +21,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import AccessDenied, ConfigError, FetchError, NotFound, ObjectChanged
-from ._fetch import ReadResult, TransientError
-from ._fs import resolve_storage_options
-from ._http import ProcessBound
+from .._errors import ConfigError, NotFound, ObjectChanged, translate
+from .base import ReadResult
+from .http import ProcessBound
+from .options import resolve_storage_options
 
-__all__ = ["AzureReader"]
+__all__ = ["AzureReader", "identity"]
 
 _RANGE_TOTAL_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)")
 
@@ -138,7 +138,7 @@ class AzureReader:
         try:
             body, props = await asyncio.wait_for(download(), timeout)
         except Exception as exc:
-            err = _map_error(url, exc, timeout, expect_identity)
+            err = translate(exc, url, store="az", timeout=timeout, expected=expect_identity)
             if isinstance(err, ObjectChanged) and not await self._exists(blob, timeout):
                 # Azure answers If-Match on a missing blob with 412 too: that is "not found".
                 err = NotFound(f"{url}: no such blob (HTTP 404); rebuild the listing with refresh=True", url)
@@ -168,42 +168,6 @@ class AzureReader:
         return True
 
 
-def _map_error(url: str, exc: BaseException, timeout: float, expected: str | None) -> BaseException:
-    """Translate an Azure SDK exception; its text is never used (it may hold a SAS URL)."""
-    from azure.core import exceptions as az
-
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError, az.ServiceResponseTimeoutError)):
-        return TransientError("timeout", f"{url}: no complete response within {timeout:g}s")
-    if isinstance(exc, ConfigError):
-        return exc
-    status = getattr(exc, "status_code", None)
-    code = str(getattr(exc, "error_code", "") or "")
-    code = code.rsplit(".", 1)[-1]  # StorageErrorCode.CONTAINER_NOT_FOUND -> CONTAINER_NOT_FOUND
-    if isinstance(exc, az.ResourceModifiedError) or status == 412:
-        return ObjectChanged(
-            f"{url} changed since it was listed (ETag {expected} no longer matches, HTTP 412): rebuild the "
-            "listing with refresh=True",
-            url,
-        )
-    if isinstance(exc, az.ResourceNotFoundError) or status == 404:
-        if code.replace("_", "").lower() == "containernotfound":
-            return NotFound(f"{url}: the container does not exist (HTTP 404); check the URL and account", url)
-        return NotFound(
-            f"{url}: no such blob (HTTP 404); the listing may be stale, rebuild it with refresh=True", url
-        )
-    if isinstance(exc, az.ClientAuthenticationError) or status in (401, 403):
-        return AccessDenied(
-            f"{url}: access denied (HTTP {status or 403}); check the account key, SAS token or credential "
-            "in storage_options (or AZURE_STORAGE_CONNECTION_STRING)",
-            url,
-        )
-    if status in (429, 503, 500) or (isinstance(status, int) and status >= 500):
-        kind = "throttle" if status in (429, 503) else "server"
-        return TransientError(kind, f"{url}: HTTP {status}{' ' + code if code else ''}")
-    if isinstance(exc, az.IncompleteReadError):
-        return TransientError("short_read", f"{url}: connection closed mid-body")
-    if isinstance(exc, (az.ServiceRequestError, az.ServiceResponseError, ConnectionError)):
-        return TransientError("connection", f"{url}: connection failed ({type(exc).__name__})")
-    if isinstance(exc, az.HttpResponseError):
-        return FetchError(f"{url}: the store refused the request (HTTP {status} {code})", url)
-    return FetchError(f"{url}: read failed ({type(exc).__name__})", url)
+def identity(info: Mapping[str, Any]) -> str:
+    """Azure's identity of a listed blob: its ETag without quotes."""
+    return str(info.get("etag") or info.get("ETag") or "").strip('"')

@@ -1,0 +1,92 @@
+"""Where bytes come from: one module per store, each with its reader, its lister and its identity rule.
+
+================  ======================================  ===========================================
+store             reader (one object, one attempt)        lister (what lies below a folder)
+================  ======================================  ===========================================
+``s3://``         :class:`.s3.S3Reader` (SigV4 over h1)   :class:`.s3_listing.S3LeanLister` (or s3fs)
+``gs://``         :class:`.gcs.GCSReader` (aiohttp)       gcsfs through :class:`.fsspec.AsyncFsLister`
+``az://``         :class:`.azure.AzureReader` (SDK)       adlfs through :class:`.fsspec.AsyncFsLister`
+local, file://    :class:`.local.LocalReader`             :class:`.local.LocalLister` (as torchvision)
+``memory://``     :class:`.fsspec.FsspecReader`           :class:`.fsspec.MemoryLister`
+================  ======================================  ===========================================
+
+:func:`reader_for` and :func:`lister_for` pick them; nothing outside this package names a store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._config import FetchOptions
+from .._url import BlobURL
+from . import local
+from .base import Entry, Lister, Reader, ReadResult
+from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
+
+__all__ = ["Entry", "Lister", "ReadResult", "Reader", "identity_from_info", "lister_for", "reader_for"]
+
+
+def reader_for(protocol: str, storage_options: Mapping[str, Any], *, concurrency: int) -> Reader:
+    """The reader of ``protocol`` for these (resolved) storage options; ``concurrency`` sizes its pool."""
+    if protocol == "s3":
+        from .s3 import S3Reader
+
+        return S3Reader(storage_options, concurrency=concurrency)
+    if protocol == "gs":
+        from .gcs import GCSReader
+
+        return GCSReader(storage_options, concurrency=concurrency)
+    if protocol == "az":
+        from .azure import AzureReader
+
+        return AzureReader(storage_options, concurrency=concurrency)
+    if protocol == "file":
+        return local.LocalReader()
+    return FsspecReader(protocol, storage_options)
+
+
+def _identity_rule(protocol: str) -> Callable[[Mapping[str, Any]], str]:
+    if protocol == "s3":
+        from .s3_listing import identity
+
+        return identity
+    if protocol in ("gs", "gcs"):
+        from .gcs import identity
+
+        return identity
+    if protocol in ("az", "abfs"):
+        from .azure import identity
+
+        return identity
+    if protocol == "file":
+        return local.identity
+    return memory_identity
+
+
+def identity_from_info(protocol: str, info: Mapping[str, Any]) -> str:
+    """The string that changes when the object changes, from an fsspec info dict.
+
+    s3: ETag without quotes, plus ``@VersionId`` when the listing has one; gs: the generation;
+    az: the etag without quotes; file: ``"{mtime_ns}-{size}"``; memory: ``"{created}-{size}"``.
+    """
+    return _identity_rule(protocol)(info)
+
+
+def lister_for(url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions) -> Lister:
+    """The lister of ``url``'s store; every request it makes obeys ``options`` (timeout, attempts)."""
+    if url.protocol == "file":
+        return local.LocalLister(url)
+    if url.protocol == "s3":
+        from .s3_listing import S3LeanLister, lean_s3
+
+        if lean_s3(storage_options):
+            return S3LeanLister(url, storage_options, options)
+    fs = get_fs(url.protocol, storage_options)
+    if url.protocol == "memory":
+        return MemoryLister(url, fs)
+    if url.protocol == "s3":
+        from .s3_listing import S3fsLister
+
+        return S3fsLister(url, fs, options)
+    return AsyncFsLister(url, fs, identity=_identity_rule(url.protocol), options=options, store=url.protocol)
