@@ -10,10 +10,7 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .proxy import _Conn
+from typing import Protocol
 
 PENDING_BYTES = 32 * 1024 * 1024  # delayed bytes per direction before reading pauses (> bandwidth x delay)
 
@@ -122,6 +119,14 @@ class RequestParser:
         return Request(method, target, headers.get("expect", "").lower() == "100-continue")
 
 
+class Shaping(Protocol):
+    """What a direction reads from its proxy on every chunk (the delay may change while it runs)."""
+
+    delay_s: float
+    bandwidth_bytes_per_s: float | None
+    read_pauses: int
+
+
 class Direction:
     """One direction of a connection: chunks stamped with their release time, written out by one timer.
 
@@ -131,8 +136,16 @@ class Direction:
     the destination's transport buffer is full, and resumes when both drain.
     """
 
-    def __init__(self, conn: _Conn, *, extra_s: float, on_end: Callable[[], None]) -> None:
-        self.conn = conn
+    def __init__(
+        self,
+        shaping: Shaping,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        extra_s: float,
+        on_end: Callable[[], None],
+    ) -> None:
+        self.shaping = shaping
+        self.loop = loop
         self.dst: asyncio.Transport | None = None
         self.src: asyncio.Transport | None = None
         self._chunks: deque[tuple[float, bytes | None]] = deque()
@@ -146,7 +159,7 @@ class Direction:
         self._on_end = on_end
 
     def push(self, data: bytes | None) -> None:
-        proxy, loop = self.conn.proxy, self.conn.loop
+        proxy, loop = self.shaping, self.loop
         now = loop.time()
         release = max(now + proxy.delay_s + self._extra_s, self._last)
         self._extra_s = 0.0
@@ -164,7 +177,7 @@ class Direction:
 
     def _release(self) -> None:
         self._timer = None
-        chunks, now = self._chunks, self.conn.loop.time()
+        chunks, now = self._chunks, self.loop.time()
         while chunks and chunks[0][0] <= now:
             data = chunks.popleft()[1]
             if data is None:
@@ -175,7 +188,7 @@ class Direction:
             if self.dst is not None and not self.dst.is_closing():
                 self.dst.write(data)
         if chunks:
-            self._timer = self.conn.loop.call_at(chunks[0][0], self._release)
+            self._timer = self.loop.call_at(chunks[0][0], self._release)
         self._throttle()
 
     def dst_full(self, full: bool) -> None:
@@ -189,7 +202,7 @@ class Direction:
             return
         self._src_paused = stop
         if stop:
-            self.conn.proxy.read_pauses += 1
+            self.shaping.read_pauses += 1
             src.pause_reading()
         else:
             src.resume_reading()

@@ -54,8 +54,8 @@ class _Conn:
         self.loop = asyncio.get_running_loop()
         self.client = client
         self.server: asyncio.Transport | None = None  # once connected
-        self.up = Direction(self, extra_s=proxy.connect_delay_s, on_end=self._client_sent_all)
-        self.down = Direction(self, extra_s=0.0, on_end=self.finish)
+        self.up = Direction(proxy, self.loop, extra_s=proxy.connect_delay_s, on_end=self._client_sent_all)
+        self.down = Direction(proxy, self.loop, extra_s=0.0, on_end=self.finish)
         self.up.src = self.down.dst = client
         self.parser = RequestParser() if proxy.count_requests else None
         self.drop = False  # the current request is answered by the proxy: not forwarded

@@ -32,10 +32,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
-
-if TYPE_CHECKING:
-    from .emulators import LocalAzurite, LocalGCSEmulator
+from typing import Any, Literal, Protocol
 
 __all__ = [
     "LocalS3Server",
@@ -411,6 +408,10 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
         return self
 
 
-def create_bucket(server: S3Endpoint | LocalAzurite | LocalGCSEmulator, name: str) -> None:
-    """Create bucket (or Azure container) ``name`` on ``server``; an existing one of ours is fine."""
+class _MakesBuckets(Protocol):
+    def create_bucket(self, name: str) -> None: ...
+
+
+def create_bucket(server: _MakesBuckets, name: str) -> None:
+    """Create bucket (or Azure container) ``name`` on any server here; an existing one of ours is fine."""
     server.create_bucket(name)
