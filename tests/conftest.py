@@ -126,7 +126,7 @@ def _start_or_skip(server: LocalAzurite | LocalGCSEmulator, what: str) -> None:
 def azurite() -> Iterator[LocalAzurite]:
     """Azurite's blob service for the session; skips when ``azurite-blob`` is missing or fails."""
     if find_executable("azurite-blob") is None:
-        pytest.skip("azurite-blob not on PATH (npm install -g azurite)")
+        pytest.skip("azurite-blob not found (scripts/setup.sh installs it; or npm install -g azurite)")
     server = LocalAzurite()
     _start_or_skip(server, "Azurite")
     try:

@@ -68,14 +68,16 @@ def _free_ports(n: int) -> list[int]:
 
 
 def find_executable(name: str) -> str | None:
-    """Path of the console script ``name``: next to this Python first, then on ``PATH``.
+    """Path of the console script ``name``: next to this Python, in its environment's npm prefix
+    (``<venv>/npm/bin``, where ``scripts/setup.sh`` installs Azurite), then on ``PATH``.
 
-    The interpreter's own scripts folder wins because ``PATH`` may hold a pyenv shim (a shell
-    script), whose PID is not the server's until it has exec'd.
+    The interpreter's own folders win because ``PATH`` may hold a pyenv shim (a shell script), whose
+    PID is not the server's until it has exec'd.
     """
-    scripts = Path(sysconfig.get_path("scripts")) / name
-    if scripts.is_file() and os.access(scripts, os.X_OK):
-        return str(scripts)
+    for folder in (Path(sysconfig.get_path("scripts")), Path(sys.prefix) / "npm" / "bin"):
+        path = folder / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
     return shutil.which(name)
 
 
