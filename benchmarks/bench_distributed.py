@@ -1,6 +1,6 @@
 """Making the dataset in a job of many ranks: one listing for the job, against one per rank.
 
-Starts a local S3 server (``blobdata._servers.LocalS3Server``) behind a latency proxy that counts
+Starts a local S3 server (``blobdata.testing.LocalS3Server``) behind a latency proxy that counts
 requests (default 20 ms round trip), uploads ``--objects`` tiny objects in ``--classes`` class
 prefixes, then times ``FolderDataset(url, refresh=True)`` (a fresh listing each time):
 
@@ -74,8 +74,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ["BLOBDATA_CACHE_HOME"] = tempfile.mkdtemp(prefix="bench-dist-")  # children inherit it
 
-    from blobdata._servers import LocalS3Server, s3_client
-    from tests.support.proxy import LatencyProxy
+    from blobdata.testing import LatencyProxy, LocalS3Server, s3_client
 
     with LocalS3Server() as server:
         client = s3_client(server)

@@ -26,9 +26,7 @@ import torch
 
 from blobdata import BlobCache, FolderDataset
 from blobdata._config import parse_size
-from blobdata._demo import upload
-from blobdata._servers import LocalS3Server, s3_client
-from tests.support.proxy import LatencyProxy
+from blobdata.testing import LatencyProxy, LocalS3Server, s3_client, upload
 
 
 def nbytes(f: Any) -> int:

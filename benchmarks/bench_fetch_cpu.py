@@ -80,7 +80,7 @@ def main() -> None:
             "secret": args.secret,
         }
     else:
-        from blobdata._servers import LocalS3Server
+        from blobdata.testing import LocalS3Server
 
         server = LocalS3Server()  # SeaweedFS on free 127.0.0.1 ports, its own process
         server.start()

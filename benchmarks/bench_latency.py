@@ -374,9 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rtts = [float(x) for x in args.rtt.split(",") if x.strip()]
 
-    from blobdata._demo import upload
-    from blobdata._servers import LocalS3Server
-    from tests.support.proxy import LatencyProxy
+    from blobdata.testing import LatencyProxy, LocalS3Server, upload
 
     data = prepare_dataset(args.images, args.classes)
     BENCH_DATA.mkdir(exist_ok=True)

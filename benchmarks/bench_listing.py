@@ -1,6 +1,6 @@
 """Listing a bucket folder: blobdata's concurrent per-class listing next to s3fs's sequential find.
 
-Starts a local S3 server (SeaweedFS, ``blobdata._servers.LocalS3Server``) behind a latency proxy
+Starts a local S3 server (SeaweedFS, ``blobdata.testing.LocalS3Server``) behind a latency proxy
 (default 20 ms round trip), uploads ``--objects`` tiny objects spread over ``--classes`` class
 prefixes (``train/nXXXXXXXX/nXXXXXXXX_NNNNNN.JPEG``), then times, through the proxy:
 
@@ -64,7 +64,7 @@ def latency_proxy(endpoint_url: str, rtt_s: float) -> Iterator[tuple[str, int | 
     if rtt_s <= 0:
         yield endpoint_url, None
         return
-    from tests.support.proxy import LatencyProxy
+    from blobdata.testing import LatencyProxy
 
     host, port = endpoint_url.rsplit("/", 1)[-1].rsplit(":", 1)
     # Counting requests parses HTTP in the proxy; a benchmark only needs the delay.
@@ -118,7 +118,7 @@ def key_of(i: int, n_objects: int, n_classes: int) -> str:
 
 
 def upload(server: Any, n_objects: int, n_classes: int, threads: int) -> float:
-    from blobdata._servers import s3_client
+    from blobdata.testing import s3_client
 
     client = s3_client(server, timeout_s=30.0, max_pool_connections=threads)
     client.create_bucket(Bucket=BUCKET)
@@ -165,7 +165,7 @@ def blobdata_list(opts: dict[str, Any], root: str, concurrency: int, *, lean: bo
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from blobdata._servers import LocalS3Server
+    from blobdata.testing import LocalS3Server
 
     root = f"s3://{BUCKET}/train"
     with LocalS3Server(backend="seaweedfs") as server:

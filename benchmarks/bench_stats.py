@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 _CHILD = r"""
 import json, sys, time
 from blobdata import FolderDataset
-from blobdata._demo import TrainTransform
+from blobdata.testing import TrainTransform
 folder, repeat = sys.argv[1], int(sys.argv[2])
 ds = FolderDataset(folder, transform=TrainTransform())
 loader = ds.dataloader(batch_size=32, shuffle=True, num_workers=0)
@@ -105,7 +105,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
     sys.path.insert(0, str(REPO))
-    from blobdata._demo import synthetic_dataset
+    from blobdata.testing import synthetic_dataset
 
     hooks = _hooks_per_sample()
     print(f"counter updates per sample (hooks alone): {hooks * 1e6:.2f} us")

@@ -42,14 +42,14 @@ def s3_endpoint(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     if args.endpoint:
         yield {"endpoint_url": args.endpoint, "key": args.key, "secret": args.secret}
         return
-    from blobdata._servers import LocalS3Server
+    from blobdata.testing import LocalS3Server
 
     with LocalS3Server() as server:
         opts = dict(server.storage_options)
         if args.delay_ms <= 0:
             yield opts
             return
-        from tests.support.proxy import LatencyProxy
+        from blobdata.testing import LatencyProxy
 
         upstream = opts["endpoint_url"]
         host, _, port = upstream.split("://", 1)[1].rpartition(":")
@@ -60,8 +60,8 @@ def s3_endpoint(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
 
 def upload(opts: dict[str, Any], bucket: str, n: int, size: int, classes: int) -> int:
     """Create ``bucket`` and put ``n`` objects of ``size`` +-10% bytes under ``train/``; returns bytes."""
-    from blobdata._demo import upload as put_all
-    from blobdata._servers import S3Endpoint, s3_client
+    from blobdata.testing import S3Endpoint, s3_client
+    from blobdata.testing import upload as put_all
 
     endpoint = S3Endpoint(opts.get("_upload_endpoint", opts["endpoint_url"]), opts["key"], opts["secret"])
     client = s3_client(endpoint)

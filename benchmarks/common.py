@@ -69,7 +69,7 @@ class LocalDataset:
 
 def prepare_dataset(images: int, classes: int, *, seed: int = 0, log: Any = print) -> LocalDataset:
     """Generate (or reuse) ``images`` synthetic JPEGs in ``classes`` classes and their WebDataset shards."""
-    from blobdata._demo import synthetic_dataset
+    from blobdata.testing import synthetic_dataset
 
     root = BENCH_DATA / f"synth-{images}x{classes}-seed{seed}"
     index = root / "index.json"
@@ -136,7 +136,7 @@ class SampleWork:
     """The per-sample work every system does: Pillow decode to RGB, then ``TrainTransform(224)``."""
 
     def __init__(self, size: int = 224) -> None:
-        from blobdata._demo import TrainTransform
+        from blobdata.testing import TrainTransform
 
         self.transform = TrainTransform(size)
 

@@ -228,7 +228,7 @@ def _blobdata_loader(t: Target, cache_dir: str | None) -> tuple[Any, Any, float]
     """(dataset, loader, listing seconds) of a FolderDataset over the bucket, fresh manifest home."""
     os.environ["BLOBDATA_CACHE_HOME"] = os.path.join(t.scratch, "blobdata-home")
     from blobdata import BlobCache, FolderDataset
-    from blobdata._demo import TrainTransform
+    from blobdata.testing import TrainTransform
 
     t0 = time.perf_counter()
     ds = FolderDataset(

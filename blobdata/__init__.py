@@ -1,7 +1,7 @@
 """blobdata: train PyTorch models straight from a folder in a bucket.
 
 >>> from blobdata import FolderDataset
->>> ds = FolderDataset("s3://bucket/imagenet/train", transform=t, cache_dir="/mnt/nvme/blobdata")
+>>> ds = FolderDataset("s3://bucket/imagenet/train", transform=t, cache="/mnt/nvme/blobdata")
 >>> loader = ds.dataloader(batch_size=256, shuffle=True, num_workers=8)
 """
 

@@ -330,7 +330,7 @@ def command(
 
     transform: Callable[[Any], Any] | None = None
     if args.transform == "train":
-        from ._demo import TrainTransform
+        from .testing import TrainTransform
 
         transform = TrainTransform()
     kwargs: dict[str, Any] = {

@@ -23,7 +23,7 @@ def make_transform():
             [v2.PILToTensor(), v2.RandomResizedCrop(224, antialias=True), v2.RandomHorizontalFlip()]
         )
     except ImportError:  # torchvision is optional
-        from blobdata._demo import TrainTransform
+        from blobdata.testing import TrainTransform
 
         return TrainTransform(224)
 

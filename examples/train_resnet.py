@@ -32,7 +32,7 @@ def build(num_classes: int):
         )
         return model, transform
     except ImportError:
-        from blobdata._demo import TrainTransform
+        from blobdata.testing import TrainTransform
 
         class Block(nn.Module):
             def __init__(self, c: int) -> None:

@@ -8,6 +8,11 @@ Environment (read here only, for the test suite):
 Fixtures: ``s3_server`` (session), ``s3_bucket``, ``s3_proxy``, ``azurite`` and ``gcs_emulator``
 (session, started only when a test asks, skipped with the reason when they cannot start),
 ``az_bucket``, ``gcs_bucket``, and the autouse ``isolated_cache_home``.
+
+Markers: a test that uses a server fixture, directly or through another fixture, is marked
+``network`` here, so ``-m "not network"`` starts no server (``tests/test_markers.py`` checks it). A
+fixture asked for at run time (``request.getfixturevalue``) is invisible to that: a parametrised
+fixture marks its networked params itself (``pytest.param(..., marks=pytest.mark.network)``).
 """
 
 from __future__ import annotations
@@ -18,15 +23,23 @@ from typing import Any
 
 import pytest
 
-from blobdata._servers import (
-    LocalAzurite,
-    LocalGCSEmulator,
-    LocalS3Server,
-    S3Endpoint,
-    find_executable,
-)
+from blobdata.testing import LatencyProxy, LocalAzurite, LocalGCSEmulator, LocalS3Server, S3Endpoint
+from blobdata.testing.servers import find_executable
 from tests.support import buckets
-from tests.support.proxy import LatencyProxy
+
+#: Every fixture that starts a server or needs one. ``item.fixturenames`` is a test's whole fixture
+#: closure, so the four session servers would do; the others are listed for the reader.
+SERVER_FIXTURES = frozenset(
+    {"s3_server", "s3_bucket", "s3_proxy", "verbatim_s3"}
+    | {"azurite", "az_bucket", "gcs_emulator", "gcs_bucket"}
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own hook deselects by -m
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.network)
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +126,7 @@ def _start_or_skip(server: LocalAzurite | LocalGCSEmulator, what: str) -> None:
 def azurite() -> Iterator[LocalAzurite]:
     """Azurite's blob service for the session; skips when ``azurite-blob`` is missing or fails."""
     if find_executable("azurite-blob") is None:
-        pytest.skip("azurite-blob not on PATH (npm install -g azurite)")
+        pytest.skip("azurite-blob not found (scripts/setup.sh installs it; or npm install -g azurite)")
     server = LocalAzurite()
     _start_or_skip(server, "Azurite")
     try:

@@ -24,8 +24,8 @@ from blobdata._cache import BlobCache
 from blobdata._fetch import FetchEngine
 from blobdata._listing import list_folder
 from blobdata._loop import run
-from blobdata._servers import AZURITE_KEY
 from blobdata._url import parse_url
+from blobdata.testing.emulators import AZURITE_KEY
 from tests.support import buckets
 from tests.support.buckets import TestBucket
 

@@ -22,7 +22,7 @@ import pytest
 
 from blobdata import AccessDenied, BlobdataError, FetchOptions, FolderDataset
 from blobdata._fetch import FetchEngine
-from blobdata._servers import AZURITE_KEY
+from blobdata.testing.emulators import AZURITE_KEY
 from tests.support.buckets import TestBucket
 
 pytestmark = pytest.mark.network

@@ -204,7 +204,7 @@ def test_construction_errors_name_the_url(s3_bucket: Any) -> None:
 
 
 def test_wrong_endpoint_fails_fast_with_the_url(s3_bucket: Any) -> None:
-    from blobdata._servers import find_free_port
+    from blobdata.testing import find_free_port
 
     opts = dict(s3_bucket.storage_options, endpoint_url=f"http://127.0.0.1:{find_free_port()}")
     with pytest.raises(OSError) as info:

@@ -233,7 +233,7 @@ def test_missing_local_folder(tmp_path: Path) -> None:
 
 @pytest.mark.network
 def test_dotdot_and_double_slash_keys_kept(verbatim_s3: Any, caplog: pytest.LogCaptureFixture) -> None:
-    from blobdata._servers import s3_client
+    from blobdata.testing import s3_client
 
     client = s3_client(verbatim_s3)
     client.create_bucket(Bucket="odd-keys")
@@ -482,7 +482,7 @@ def test_lean_lister_matches_s3fs(s3_bucket: Any, s3_proxy: Any) -> None:
 
 @pytest.mark.network
 def test_lean_lister_matches_s3fs_on_verbatim_keys(verbatim_s3: Any) -> None:
-    from blobdata._servers import s3_client
+    from blobdata.testing import s3_client
 
     client = s3_client(verbatim_s3)
     client.create_bucket(Bucket="odd-keys-lean")

@@ -228,7 +228,7 @@ def test_tricky_keys_round_trip(s3_bucket: Any) -> None:
 @pytest.mark.slow
 def test_tricky_keys_round_trip_verbatim_store(verbatim_s3: Any) -> None:
     """moto keeps '..', '//' and a leading '/' verbatim (SeaweedFS normalises them): all must read back."""
-    from blobdata._servers import s3_client
+    from blobdata.testing import s3_client
 
     client = s3_client(verbatim_s3)
     client.create_bucket(Bucket="tricky-keys")
@@ -510,7 +510,7 @@ def test_list_page_matches_botocore(s3_bucket: Any) -> None:
 @pytest.mark.slow
 def test_list_page_matches_botocore_verbatim_store(verbatim_s3: Any) -> None:
     """moto keeps '..', '//' and a leading '/' verbatim: listed back exactly as botocore lists them."""
-    from blobdata._servers import s3_client
+    from blobdata.testing import s3_client
 
     client = s3_client(verbatim_s3)
     client.create_bucket(Bucket="list-keys")

@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from blobdata._servers import LocalS3Server, S3Endpoint, find_free_port, s3_client
-from tests.support import proxy as proxy_module
-from tests.support.proxy import LatencyProxy
+from blobdata.testing import LatencyProxy, LocalS3Server, S3Endpoint, _wire, find_free_port, s3_client
 
 pytestmark = pytest.mark.network
 
@@ -124,7 +122,7 @@ def test_proxy_back_pressure_keeps_every_byte_in_order(
     # buffer without bound) and resume, and the body must still arrive whole and in order.
     payload = os.urandom(6 * 1024 * 1024)
     s3_bucket.put("slow.bin", payload)
-    monkeypatch.setattr(proxy_module, "_PENDING_BYTES", 256 * 1024)
+    monkeypatch.setattr(_wire, "PENDING_BYTES", 256 * 1024)
     with LatencyProxy(*_host_port(s3_server), delay_s=0.005) as proxy:
         client = _client(s3_server, proxy.endpoint_url, timeout_s=30)
         body = client.get_object(Bucket=s3_bucket.name, Key="slow.bin")["Body"]

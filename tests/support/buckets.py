@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from blobdata._servers import LocalAzurite, LocalGCSEmulator, S3Endpoint, s3_client
+from blobdata.testing import LocalAzurite, LocalGCSEmulator, S3Endpoint, s3_client
 
 __all__ = [
     "TestBucket",

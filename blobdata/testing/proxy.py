@@ -1,6 +1,6 @@
 """A TCP proxy on 127.0.0.1 that adds latency, caps bandwidth, counts HTTP requests and injects faults.
 
-Used by fault tests and by the benchmarks (``from tests.support.proxy import LatencyProxy``)::
+Used by fault tests and by the benchmarks (``from blobdata.testing import LatencyProxy``)::
 
     with LatencyProxy("127.0.0.1", server_port, delay_s=0.025) as proxy:   # RTT = 50 ms
         client = make_client(endpoint_url=proxy.endpoint_url)
@@ -13,7 +13,7 @@ The proxy runs its own asyncio loop on a daemon thread, with protocol callbacks 
 be cheap: no task, queue or future per chunk). Each direction of each connection stamps every chunk
 with ``arrival + delay_s`` and one timer releases the due chunks in order, so latency is added
 without capping throughput (a chunk never waits for the one before it to be delayed). Reading stops
-while a direction holds more than ``_PENDING_BYTES`` or its destination's buffer is full.
+while a direction holds more than 32 MiB (``_wire.PENDING_BYTES``) or its destination's buffer is full.
 Client->server bytes are parsed as HTTP/1.1 (request line, headers, bodies framed by Content-Length
 or chunked encoding) so requests on keep-alive connections are counted one by one.
 """
@@ -25,122 +25,18 @@ import contextlib
 import socket
 import struct
 import threading
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Literal
+
+from ._wire import Direction, Request, RequestParser, error_response
 
 __all__ = ["FAULT_MODES", "FaultMode", "LatencyProxy"]
 
 FaultMode = Literal["reset", "close", "status503", "status500", "stall"]
 FAULT_MODES: tuple[FaultMode, ...] = ("reset", "close", "status503", "status500", "stall")
 
-_PENDING_BYTES = 32 * 1024 * 1024  # delayed bytes per direction before reading pauses (> bandwidth x delay)
-_MAX_HEAD = 64 * 1024  # a request head longer than this means the stream is not HTTP: stop parsing
 _CONNECT_TIMEOUT_S = 10.0
-
-_SLOWDOWN = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-    b"<Message>Please reduce your request rate.</Message><RequestId>blobdata-proxy</RequestId></Error>"
-)
-_INTERNAL = (
-    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
-    b"<Message>We encountered an internal error. Please try again.</Message>"
-    b"<RequestId>blobdata-proxy</RequestId></Error>"
-)
-
-
-def _error_response(mode: FaultMode, *, close: bool) -> bytes:
-    """The proxy's own answer for a ``status503`` or ``status500`` fault."""
-    status, reason, body = (
-        (503, "Slow Down", _SLOWDOWN) if mode == "status503" else (500, "Internal Server Error", _INTERNAL)
-    )
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
-        f"Content-Length: {len(body)}\r\nx-amz-request-id: blobdata-proxy\r\n"
-        f"Connection: {'close' if close else 'keep-alive'}\r\n\r\n"
-    )
-    return head.encode("ascii") + body
-
-
-@dataclass
-class _Request:
-    method: str
-    target: str
-    expects_continue: bool
-
-
-class _RequestParser:
-    """Splits a client->server byte stream into request heads and body bytes.
-
-    ``feed`` returns ``(kind, bytes, request)`` segments in stream order: ``"head"`` with its parsed
-    :class:`_Request`, ``"body"`` for body and chunk-framing bytes, ``"raw"`` once the stream turned
-    out not to be HTTP (everything after is forwarded uncounted).
-    """
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._state = "head"  # head | body | chunk_size | chunk_data | trailer | raw
-        self._remaining = 0
-
-    def feed(self, data: bytes) -> list[tuple[str, bytes, _Request | None]]:
-        out: list[tuple[str, bytes, _Request | None]] = []
-        if self._state == "raw":
-            return [("raw", data, None)]
-        self._buf += data
-        while self._buf:
-            if self._state == "head":
-                end = self._buf.find(b"\r\n\r\n")
-                if end < 0:
-                    if len(self._buf) > _MAX_HEAD:
-                        self._state = "raw"
-                        out.append(("raw", bytes(self._buf), None))
-                        self._buf.clear()
-                    break
-                head = bytes(self._buf[: end + 4])
-                del self._buf[: end + 4]
-                out.append(("head", head, self._parse_head(head)))
-            elif self._state in ("body", "chunk_data"):
-                n = min(self._remaining, len(self._buf))
-                out.append(("body", bytes(self._buf[:n]), None))
-                del self._buf[:n]
-                self._remaining -= n
-                if self._remaining == 0:
-                    self._state = "chunk_size" if self._state == "chunk_data" else "head"
-            else:  # chunk_size or trailer: one CRLF-terminated line at a time
-                end = self._buf.find(b"\r\n")
-                if end < 0:
-                    break
-                line = bytes(self._buf[: end + 2])
-                del self._buf[: end + 2]
-                out.append(("body", line, None))
-                if self._state == "chunk_size":
-                    size = int(line.split(b";")[0].strip() or b"0", 16)
-                    if size == 0:
-                        self._state = "trailer"
-                    else:
-                        self._state, self._remaining = "chunk_data", size + 2  # data + CRLF
-                elif line == b"\r\n":
-                    self._state = "head"
-        return out
-
-    def _parse_head(self, head: bytes) -> _Request:
-        lines = head.decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ")
-        method, target = (parts[0], parts[1]) if len(parts) >= 2 else (parts[0], "")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._state = "chunk_size"
-        else:
-            length = int(headers.get("content-length", "0") or "0")
-            if length > 0:
-                self._state, self._remaining = "body", length
-        return _Request(method, target, headers.get("expect", "").lower() == "100-continue")
 
 
 @dataclass
@@ -148,85 +44,6 @@ class _Fault:
     mode: FaultMode
     remaining: int
     method: str | None
-
-
-class _Direction:
-    """One direction of a connection: chunks stamped with their release time, written out by one timer.
-
-    ``push`` stamps a chunk (``None`` = end of stream) with ``now + delay`` (later under a bandwidth
-    cap; never before the chunk ahead of it) and arms the timer if it is idle; ``_release`` writes every
-    due chunk and re-arms for the next. The source stops reading while too many bytes wait here or
-    the destination's transport buffer is full, and resumes when both drain.
-    """
-
-    def __init__(self, conn: _Conn, *, extra_s: float, on_end: Callable[[], None]) -> None:
-        self.conn = conn
-        self.dst: asyncio.Transport | None = None
-        self.src: asyncio.Transport | None = None
-        self._chunks: deque[tuple[float, bytes | None]] = deque()
-        self._timer: asyncio.TimerHandle | None = None
-        self._extra_s = extra_s  # added to the first chunk only (connect_delay_s)
-        self._last = 0.0  # release time of the newest chunk
-        self._next_free = 0.0  # bandwidth cap: when this direction may send its next byte
-        self._pending = 0
-        self._dst_full = False
-        self._src_paused = False
-        self._on_end = on_end
-
-    def push(self, data: bytes | None) -> None:
-        proxy, loop = self.conn.proxy, self.conn.loop
-        now = loop.time()
-        release = max(now + proxy.delay_s + self._extra_s, self._last)
-        self._extra_s = 0.0
-        if data is not None:
-            bandwidth = proxy.bandwidth_bytes_per_s
-            if bandwidth is not None:
-                release = max(release, self._next_free)
-                self._next_free = release + len(data) / bandwidth
-            self._pending += len(data)
-        self._last = release
-        self._chunks.append((release, data))
-        if self._timer is None:
-            self._timer = loop.call_at(release, self._release)
-        self._throttle()
-
-    def _release(self) -> None:
-        self._timer = None
-        chunks, now = self._chunks, self.conn.loop.time()
-        while chunks and chunks[0][0] <= now:
-            data = chunks.popleft()[1]
-            if data is None:
-                chunks.clear()
-                self._on_end()
-                return
-            self._pending -= len(data)
-            if self.dst is not None and not self.dst.is_closing():
-                self.dst.write(data)
-        if chunks:
-            self._timer = self.conn.loop.call_at(chunks[0][0], self._release)
-        self._throttle()
-
-    def dst_full(self, full: bool) -> None:
-        self._dst_full = full
-        self._throttle()
-
-    def _throttle(self) -> None:
-        stop = self._dst_full or self._pending > _PENDING_BYTES
-        src = self.src
-        if src is None or stop == self._src_paused or src.is_closing():
-            return
-        self._src_paused = stop
-        if stop:
-            self.conn.proxy.read_pauses += 1
-            src.pause_reading()
-        else:
-            src.resume_reading()
-
-    def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._chunks.clear()
 
 
 class _Conn:
@@ -237,10 +54,10 @@ class _Conn:
         self.loop = asyncio.get_running_loop()
         self.client = client
         self.server: asyncio.Transport | None = None  # once connected
-        self.up = _Direction(self, extra_s=proxy.connect_delay_s, on_end=self._client_sent_all)
-        self.down = _Direction(self, extra_s=0.0, on_end=self.finish)
+        self.up = Direction(proxy, self.loop, extra_s=proxy.connect_delay_s, on_end=self._client_sent_all)
+        self.down = Direction(proxy, self.loop, extra_s=0.0, on_end=self.finish)
         self.up.src = self.down.dst = client
-        self.parser = _RequestParser() if proxy.count_requests else None
+        self.parser = RequestParser() if proxy.count_requests else None
         self.drop = False  # the current request is answered by the proxy: not forwarded
         self.ignore_client = False  # stalled, or answered and closing: the client's bytes go nowhere
         self.stalled = False
@@ -303,7 +120,7 @@ class _Conn:
             if not self.drop:
                 self.up.push(chunk)
 
-    def _request_fault(self, mode: FaultMode, req: _Request) -> None:
+    def _request_fault(self, mode: FaultMode, req: Request) -> None:
         if mode == "reset":
             self.abort(rst=True)
         elif mode == "close":
@@ -313,7 +130,7 @@ class _Conn:
         else:
             # A client waiting on 100-continue may or may not send its body now: close after answering
             # so the stream cannot get out of step.
-            self.down.push(_error_response(mode, close=req.expects_continue))
+            self.down.push(error_response(mode, close=req.expects_continue))
             self.drop = True
             if req.expects_continue:
                 self.ignore_client = True
@@ -332,7 +149,7 @@ class _Conn:
         elif mode == "close":
             self.finish()
         elif mode in ("status503", "status500"):
-            self.client.write(_error_response(mode, close=True))
+            self.client.write(error_response(mode, close=True))
             self.finish()
         else:  # stall: hold the connection until the client leaves or the proxy stops
             self.ignore_client = self.stalled = True

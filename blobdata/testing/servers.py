@@ -1,10 +1,11 @@
-"""Local storage servers started as plain processes: S3 (SeaweedFS or moto), Azurite, a GCS emulator.
+"""Local storage servers started as plain processes, and the S3 one: SeaweedFS or moto.
 
 Used by the test suite, the benchmarks and ``blobdata demo``. Every server listens on 127.0.0.1 on
 free ports, writes its output to ``server.log`` in its own temporary directory (never to our
 stdout), is healthy when a real API call succeeds, and is stopped by PID: SIGTERM to its process
 group, SIGKILL after a deadline. On Linux a server also dies with the thread that started it
-(``PR_SET_PDEATHSIG``), so a killed test run leaves no server behind.
+(``PR_SET_PDEATHSIG``), so a killed test run leaves no server behind. Nothing starts on import.
+Azurite and the GCS emulator are in :mod:`blobdata.testing.emulators`.
 
 Typical use::
 
@@ -28,30 +29,19 @@ import sysconfig
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 __all__ = [
-    "AZURITE_ACCOUNT",
-    "AZURITE_KEY",
-    "LocalAzurite",
-    "LocalGCSEmulator",
     "LocalS3Server",
     "S3Endpoint",
     "create_bucket",
-    "find_free_port",
     "find_executable",
+    "find_free_port",
     "s3_client",
 ]
-
-#: Azurite's documented development account and its well-known public key (not a secret).
-AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 _START_DEADLINE_S = 30.0
 _STOP_DEADLINE_S = 5.0
@@ -78,14 +68,16 @@ def _free_ports(n: int) -> list[int]:
 
 
 def find_executable(name: str) -> str | None:
-    """Path of the console script ``name``: next to this Python first, then on ``PATH``.
+    """Path of the console script ``name``: next to this Python, in its environment's npm prefix
+    (``<venv>/npm/bin``, where ``scripts/setup.sh`` installs Azurite), then on ``PATH``.
 
-    The interpreter's own scripts folder wins because ``PATH`` may hold a pyenv shim (a shell
-    script), whose PID is not the server's until it has exec'd.
+    The interpreter's own folders win because ``PATH`` may hold a pyenv shim (a shell script), whose
+    PID is not the server's until it has exec'd.
     """
-    scripts = Path(sysconfig.get_path("scripts")) / name
-    if scripts.is_file() and os.access(scripts, os.X_OK):
-        return str(scripts)
+    for folder in (Path(sysconfig.get_path("scripts")), Path(sys.prefix) / "npm" / "bin"):
+        path = folder / name
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
     return shutil.which(name)
 
 
@@ -418,153 +410,10 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
         return self
 
 
-# ----------------------------------------------------------------------------------------- Azurite
+class _MakesBuckets(Protocol):
+    def create_bucket(self, name: str) -> None: ...
 
 
-class LocalAzurite(_ServerProcess):
-    """Azurite's blob service on 127.0.0.1 (``azurite-blob`` from npm), with the dev account.
-
-    ``connection_string`` uses the documented ``devstoreaccount1`` account and its public key.
-    """
-
-    name = "azurite"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.port = 0
-
-    @property
-    def connection_string(self) -> str:
-        return (
-            f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
-            f"BlobEndpoint=http://127.0.0.1:{self.port}/{AZURITE_ACCOUNT};"
-        )
-
-    @property
-    def storage_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``adlfs.AzureBlobFileSystem``."""
-        return {"connection_string": self.connection_string}
-
-    def _command(self, tmpdir: Path) -> list[str]:
-        exe = find_executable("azurite-blob")
-        if exe is None:
-            raise RuntimeError("azurite-blob not found: install it with `npm install -g azurite`")
-        self.port = find_free_port()
-        return [
-            exe, "--loose", "--skipApiVersionCheck", "--disableTelemetry",
-            "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
-            "--location", str(tmpdir / "data"), "--silent",
-        ]  # fmt: skip
-
-    def service_client(self) -> Any:
-        """An ``azure.storage.blob.BlobServiceClient`` for this Azurite (timeouts of 10 s)."""
-        from azure.storage.blob import BlobServiceClient
-
-        return BlobServiceClient.from_connection_string(
-            self.connection_string, connection_timeout=10, read_timeout=10, retry_total=0
-        )
-
-    def _healthy(self) -> bool:
-        if not _tcp_open(self.port):
-            return False
-        try:
-            client = self.service_client()
-            list(client.list_containers(results_per_page=1))
-            return True
-        except Exception:
-            return False
-
-    def create_bucket(self, name: str) -> None:
-        """Create container ``name`` (an existing one is fine)."""
-        from azure.core.exceptions import ResourceExistsError
-
-        with contextlib.suppress(ResourceExistsError):
-            self.service_client().create_container(name)
-
-    def __enter__(self) -> LocalAzurite:
-        self.start()
-        return self
-
-
-# -------------------------------------------------------------------------------------------- GCS
-
-
-class LocalGCSEmulator(_ServerProcess):
-    """The ``gcp-storage-emulator`` on 127.0.0.1, in memory.
-
-    gcsfs must run with ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` against it (blobdata's ``get_fs``
-    sets it), or its bucket-type probe stalls for 60 s.
-    """
-
-    name = "gcs-emulator"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.port = 0
-
-    @property
-    def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def storage_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``gcsfs.GCSFileSystem``."""
-        return {"endpoint_url": self.endpoint_url, "token": "anon"}
-
-    def _command(self, tmpdir: Path) -> list[str]:
-        self.port = find_free_port()
-        return [
-            sys.executable, "-m", "gcp_storage_emulator", "start",
-            "--host", "127.0.0.1", "--port", str(self.port), "--in-memory",
-        ]  # fmt: skip
-
-    def _request(self, method: str, path: str, body: bytes | None = None, timeout_s: float = 10.0) -> bytes:
-        req = urllib.request.Request(self.endpoint_url + path, data=body, method=method)
-        if body is not None:
-            req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            data: bytes = resp.read()
-            return data
-
-    def _healthy(self) -> bool:
-        if not _tcp_open(self.port):
-            return False
-        try:
-            self._request("GET", "/storage/v1/b?project=test", timeout_s=2.0)
-            return True
-        except (OSError, urllib.error.URLError):
-            return False
-
-    def create_bucket(self, name: str) -> None:
-        """Create bucket ``name`` through the JSON API (an existing one is fine)."""
-        try:
-            self._request("POST", "/storage/v1/b?project=test", json.dumps({"name": name}).encode())
-        except urllib.error.HTTPError as exc:
-            if exc.code != 409:
-                raise
-
-    def upload(self, bucket: str, key: str, data: bytes) -> None:
-        """Upload one object through the JSON API's simple media upload."""
-        name = urllib.parse.quote(key, safe="")
-        req = urllib.request.Request(
-            f"{self.endpoint_url}/upload/storage/v1/b/{bucket}/o?uploadType=media&name={name}",
-            data=data,
-            method="POST",
-            headers={"Content-Type": "application/octet-stream"},
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            resp.read()
-
-    def delete_object(self, bucket: str, key: str) -> None:
-        """Delete one object through the JSON API."""
-        name = urllib.parse.quote(key, safe="")
-        self._request("DELETE", f"/storage/v1/b/{bucket}/o/{name}")
-
-    def __enter__(self) -> LocalGCSEmulator:
-        self.start()
-        return self
-
-
-def create_bucket(server: S3Endpoint | LocalAzurite | LocalGCSEmulator, name: str) -> None:
-    """Create bucket (or Azure container) ``name`` on ``server``; an existing one of ours is fine."""
+def create_bucket(server: _MakesBuckets, name: str) -> None:
+    """Create bucket (or Azure container) ``name`` on any server here; an existing one of ours is fine."""
     server.create_bucket(name)

@@ -1,0 +1,33 @@
+"""Tools for testing a training pipeline without a cloud: local servers, a fault proxy, synthetic data.
+
+>>> from blobdata.testing import LocalS3Server, LatencyProxy, synthetic_dataset, upload, s3_client
+>>> with LocalS3Server() as s3, LatencyProxy("127.0.0.1", s3.port, delay_s=0.025) as proxy:
+...     s3.create_bucket("data")
+...     upload(s3_client(s3), "data", synthetic_dataset(100, 4))
+...     proxy.fail_next(2, "status503")    # then read s3://data/train through proxy.endpoint_url
+
+Importing this package starts nothing and does not import torch (``TrainTransform`` does, when it
+first runs). Azurite and the GCS emulator need their own installs (``npm install -g azurite``,
+``pip install gcp-storage-emulator``).
+"""
+
+from .data import TrainTransform, synthetic_dataset, synthetic_jpeg, upload
+from .emulators import LocalAzurite, LocalGCSEmulator
+from .proxy import FaultMode, LatencyProxy
+from .servers import LocalS3Server, S3Endpoint, create_bucket, find_free_port, s3_client
+
+__all__ = [
+    "FaultMode",
+    "LatencyProxy",
+    "LocalAzurite",
+    "LocalGCSEmulator",
+    "LocalS3Server",
+    "S3Endpoint",
+    "TrainTransform",
+    "create_bucket",
+    "find_free_port",
+    "s3_client",
+    "synthetic_dataset",
+    "synthetic_jpeg",
+    "upload",
+]
