@@ -26,7 +26,7 @@ import torch.utils.data
 from . import _process, _stats
 from ._cache import BlobCache, CacheWriter
 from ._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_size
-from ._decode import decode, default_loader
+from ._decode import decode, decode_with, default_loader
 from ._distributed import shared_manifest
 from ._errors import BlobdataError, ConfigError, note_fields
 from ._fetch import FetchEngine
@@ -311,19 +311,24 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         decoding = transforming = 0.0
         out: list[Any] = []
         m = self._manifest
+        decode_aware = hasattr(self.transform, "decode_and_apply")
         for i, data in zip(idx, datas, strict=True):
             url = m.url(i)
             try:
                 if isinstance(data, BaseException):
                     raise data
                 t = clock()
-                sample = decode(data, url, self.loader)
-                if self.transform is not None:
+                if decode_aware:  # the transform decodes only what it needs (blobdata.transforms)
+                    sample = decode_with(self.transform, data, url)
+                    decoding += clock() - t
+                elif self.transform is not None:
+                    sample = decode(data, url, self.loader)
                     t2 = clock()
                     decoding += t2 - t
                     sample = self.transform(sample)
                     transforming += clock() - t2
                 else:
+                    sample = decode(data, url, self.loader)
                     decoding += clock() - t
                 target: Any = int(m.targets[i])
                 if self.target_transform is not None:

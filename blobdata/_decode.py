@@ -21,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ._errors import DecodeError
 
-__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "default_loader"]
+__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader"]
 
 # Pillow format names for ImageFolder's extensions (.jpg .jpeg .png .ppm .pgm .bmp .tif .tiff .webp).
 IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
@@ -77,6 +77,11 @@ def default_loader(file: ObjectFile) -> Image.Image:
             img.load()
             rgb: Image.Image = img.convert("RGB")
             return rgb
+
+
+def decode_with(transform: Any, data: bytes, url: str) -> Any:
+    """Run a decode-aware transform on the bytes of ``url``; a failure is a DecodeError naming it."""
+    return decode(data, url, lambda _file: transform.decode_and_apply(data, url))
 
 
 def decode(data: bytes, url: str, loader: Callable[[Any], Any]) -> Any:

@@ -1,0 +1,170 @@
+"""Transforms that sit next to the decoder, so they can make decoding cheaper.
+
+:class:`RandomResizedCrop` is ImageNet training's usual crop (a random area and aspect ratio, resized
+to ``size``, then a horizontal flip, as a uint8 CHW tensor), but it receives the object's *bytes*:
+it reads the JPEG's dimensions from its header, draws the crop box on the full-size image, and asks
+libjpeg for a reduced-scale decode (DCT scaling, 1/2, 1/4 or 1/8: Pillow's ``Image.draft``) as small
+as still leaves the crop at least ``size`` pixels on each side. The crop then costs a fraction of a
+full decode, and its output matches a full decode's within resampling error (a few levels of 255 on
+average; ``benchmarks/bench_decode.py`` prints both the time and the difference).
+
+Use it as the dataset's ``transform``; a dataset hands the bytes to any transform that has
+``decode_and_apply(data, url)`` (the :class:`DecodeAware` protocol) instead of decoding first::
+
+    from blobdata import FolderDataset
+    from blobdata.transforms import RandomResizedCrop
+    ds = FolderDataset("s3://bucket/imagenet/train", transform=RandomResizedCrop(224))
+
+PNG and other formats are decoded in full and cropped the same way; grayscale and CMYK images are
+converted to RGB.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ._decode import IMAGE_FORMATS
+
+__all__ = ["DecodeAware", "RandomResizedCrop"]
+
+
+@runtime_checkable
+class DecodeAware(Protocol):
+    """A transform that decodes the object's bytes itself (so it can decode only what it needs).
+
+    ``decode_and_apply`` returns the transformed sample; any exception it raises is reported as a
+    :class:`~blobdata.DecodeError` naming ``url``.
+    """
+
+    def decode_and_apply(self, data: bytes, url: str) -> Any: ...
+
+
+class RandomResizedCrop:
+    """Random-resized crop to ``size`` x ``size`` (or ``(height, width)``), then a horizontal flip with
+    probability ``flip``; a uint8 CHW tensor. ``scale`` (area fraction) and ``ratio`` (width / height)
+    are drawn as torchvision's ``RandomResizedCrop.get_params`` draws them, from ``generator`` (default:
+    torch's global generator, seeded per DataLoader worker). ``reduce=False`` always decodes in full.
+
+    ``upsample`` (default 1.0) is how far the decoded crop may be enlarged to ``size``: at 1.0 the
+    reduced-scale decode keeps the crop at least ``size`` pixels on each side, so the output matches a
+    full decode within resampling error; at 2.0 it may decode at half that resolution (one more DCT
+    step: cheaper, softer; ``benchmarks/bench_decode.py`` prints the difference).
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, int],
+        *,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip: float = 0.5,
+        generator: torch.Generator | None = None,
+        reduce: bool = True,
+        upsample: float = 1.0,
+    ) -> None:
+        self.size = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        if min(self.size) < 1:
+            raise ValueError(f"size must be positive, got {size!r}")
+        if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]) or not 0 <= flip <= 1:
+            raise ValueError(f"need 0 < scale[0] <= scale[1], 0 < ratio[0] <= ratio[1], 0 <= flip <= 1; got "
+                             f"scale={scale}, ratio={ratio}, flip={flip}")  # fmt: skip
+        self.scale = scale
+        self.ratio = ratio
+        self.flip = flip
+        self.generator = generator
+        self.reduce = reduce
+        if upsample < 1.0:
+            raise ValueError(f"upsample must be >= 1.0, got {upsample}")
+        self.upsample = upsample
+
+    def __repr__(self) -> str:
+        return (
+            f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, flip={self.flip})"
+        )
+
+    # -- the crop box ---------------------------------------------------------------------------------
+    def params(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """A crop box ``(top, left, height, width)`` for an image of ``width`` x ``height`` pixels."""
+        g = self.generator
+        area = height * width
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target_area = area * torch.empty(1).uniform_(self.scale[0], self.scale[1], generator=g).item()
+            aspect = math.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g).item())
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                top = int(torch.randint(0, height - h + 1, size=(1,), generator=g).item())
+                left = int(torch.randint(0, width - w + 1, size=(1,), generator=g).item())
+                return top, left, h, w
+        in_ratio = width / height  # fallback: the central crop of the nearest allowed ratio
+        if in_ratio < self.ratio[0]:
+            w, h = width, round(width / self.ratio[0])
+        elif in_ratio > self.ratio[1]:
+            h, w = height, round(height * self.ratio[1])
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
+
+    def _flip(self) -> bool:
+        return bool(self.flip > 0 and torch.rand(1, generator=self.generator).item() < self.flip)
+
+    # -- applying it ----------------------------------------------------------------------------------
+    def decode_and_apply(self, data: bytes, url: str) -> torch.Tensor:
+        """Decode ``data`` (the bytes of ``url``) at the smallest scale the crop allows, then crop,
+        resize and flip."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+                width, height = img.size  # from the header: nothing decoded yet
+                box = self.params(width, height)
+                factor = self._reduce(img, box) if self.reduce and img.format == "JPEG" else (1.0, 1.0)
+                return self._finish(img, box, factor)
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        """The same crop of an image already decoded (no reduced-scale decode is possible then)."""
+        return self._finish(img, self.params(*img.size), (1.0, 1.0))
+
+    def crop(self, img: Image.Image, box: tuple[int, int, int, int], *, reduced: bool) -> torch.Tensor:
+        """The crop of ``box`` without flip: with ``reduced``, from a reduced-scale decode of ``img``
+        (a freshly opened JPEG). For comparing both paths (benchmarks, tests)."""
+        factor = self._reduce(img, box) if reduced and img.format == "JPEG" else (1.0, 1.0)
+        flip, self.flip = self.flip, 0.0
+        try:
+            return self._finish(img, box, factor)
+        finally:
+            self.flip = flip
+
+    def _reduce(self, img: Image.Image, box: tuple[int, int, int, int]) -> tuple[float, float]:
+        """Ask libjpeg for the smallest DCT scale that keeps the crop >= size; the scales applied."""
+        width, height = img.size
+        _, _, h, w = box
+        out_h, out_w = self.size
+        # The decoded image must be at least this large for the crop to keep out_w x out_h pixels.
+        need_w = math.ceil(width * out_w / (w * self.upsample))
+        need_h = math.ceil(height * out_h / (h * self.upsample))
+        if need_w >= width or need_h >= height:
+            return 1.0, 1.0
+        img.draft("RGB", (need_w, need_h))
+        return img.size[0] / width, img.size[1] / height
+
+    def _finish(
+        self, img: Image.Image, box: tuple[int, int, int, int], factor: tuple[float, float]
+    ) -> torch.Tensor:
+        top, left, h, w = box
+        fx, fy = factor
+        if img.mode != "RGB":
+            img = img.convert("RGB")  # grayscale, CMYK, palette, alpha
+        out_h, out_w = self.size
+        crop = (left * fx, top * fy, (left + w) * fx, (top + h) * fy)
+        small = img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=crop)
+        if self._flip():
+            small = small.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.asarray(small).copy()).permute(2, 0, 1)
