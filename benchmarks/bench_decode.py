@@ -56,8 +56,8 @@ def main() -> None:
         return best, outs
 
     sides = [f"{w}x{h}" for w, h in (Image.open(io.BytesIO(d)).size for d in datas[:3])]
-    print(f"{args.images} JPEGs ({args.min_side}-{args.max_side} px a side, e.g. {', '.join(sides)}), crop to "
-          f"{args.size}; CPU time per image, best of {args.repeat}, 1 thread:")  # fmt: skip
+    print(f"{args.images} JPEGs ({args.min_side}-{args.max_side} px a side, e.g. {', '.join(sides)}), "
+          f"crop to {args.size}; CPU time per image, best of {args.repeat}, 1 thread:")  # fmt: skip
     full_s, full = run(False)
     print(f"  full decode + crop + resize + tensor        {full_s * 1e3:6.2f} ms")
     for upsample in (1.0, 2.0):
