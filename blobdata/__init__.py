@@ -21,8 +21,11 @@ from ._errors import (
     ObjectChanged,
     Throttled,
 )
+from ._listing import load_or_list as list_folder
 from ._manifest import Manifest
 from ._stats import LoaderStats
+from ._warm import warm_cache as warm
+from ._warm_summary import WarmSummary
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -71,5 +74,8 @@ __all__ = [
     "NotFound",
     "ObjectChanged",
     "Throttled",
+    "WarmSummary",
     "__version__",
+    "list_folder",
+    "warm",
 ]

@@ -76,3 +76,19 @@ def test_missing_local_folder_says_what_is_missing(tmp_path: Path) -> None:
     with pytest.raises(NotFound) as info:
         FolderDataset(tmp_path / "nope")
     assert "bucket" not in str(info.value) and str(tmp_path / "nope") in str(info.value)
+
+
+def test_warm_and_list_from_python(tmp_path: Path) -> None:
+    import blobdata
+
+    root = _tree(tmp_path / "d", 8)
+    listing = blobdata.list_folder(str(root))
+    assert len(listing) == 8 and list(listing.classes) == ["c0", "c1"]
+    dry = blobdata.warm(str(root), cache=tmp_path / "c", dry_run=True)
+    assert dry.fits and not (tmp_path / "c").exists()
+    done = blobdata.warm(str(root), cache=BlobCache(tmp_path / "c", size_limit="1MB"))
+    assert done.fetched == 8 and done.failed == 0
+    again = blobdata.warm(str(root), cache=tmp_path / "c")
+    assert again.fetched == 0 and again.skipped == 8
+    with BlobCache(tmp_path / "c") as cache:
+        assert cache.stats().entries == 8

@@ -29,7 +29,10 @@ def test_all_is_sorted_and_exact() -> None:
         "NotFound",
         "ObjectChanged",
         "Throttled",
+        "WarmSummary",
         "__version__",
+        "list_folder",
+        "warm",
     }
     for name in blobdata.__all__:
         assert hasattr(blobdata, name), name
