@@ -36,6 +36,9 @@ from common import (
     REPO,
     cpu_seconds,
     fmt,
+    parse_cpus,
+    pin_tree,
+    place_cpus,
     prepare_dataset,
     process_cpu_seconds,
     table,
@@ -45,10 +48,6 @@ ALL_SYSTEMS = ["local", "naive", "filecache", "webdataset", "litdata", "blobdata
 EXTRA_SYSTEMS = ["blobdata-nocache"]  # diagnostics, run only when named in --systems
 BUCKET = "bench"
 GOAL_RATIO_TO_LOCAL = 0.75
-PREVIOUS = (
-    "previously measured here at RTT 50 ms: local disk ~860 img/s, WebDataset ~650, naive s3fs ~17, "
-    "filecache ~11"
-)
 
 
 # -- child side: one system, timed ----------------------------------------------------------------------
@@ -143,6 +142,8 @@ def child_main(spec_path: str) -> int:
     from peers import SYSTEMS, Target
 
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("client_cpus"):
+        os.sched_setaffinity(0, spec["client_cpus"])  # DataLoader workers inherit it
     for k, v in spec.get("env", {}).items():
         os.environ[k] = v
     target = Target(**spec["target"])
@@ -314,6 +315,24 @@ def cpu_budget(rows: list[Row]) -> list[str]:
     return lines if len(lines) > 1 else []
 
 
+def scaling_table(saved: list[dict[str, Any]]) -> str:
+    """Images/s (x local disk) and client CPU ms per image, per system and worker count, per RTT."""
+    out = []
+    for rtt in sorted({r["rtt_ms"] for r in saved}):
+        at = [r for r in saved if r["rtt_ms"] == rtt]
+        local = {r["workers"]: r["images_per_s"] for r in at if r["system"] == "local disk"}
+        for r in at:
+            base = local.get(r["workers"])
+            ratio = r["images_per_s"] / base if base and not math.isnan(base) else math.nan
+            cpu = r["client_cpu_ms_per_image"]
+            cpu_ms = fmt(cpu if cpu is not None else math.nan, ".2f")
+            row = [f"{rtt:g}", str(r["workers"]), r["system"], fmt(r["images_per_s"]), fmt(ratio, ".2f")]
+            out.append([*row, cpu_ms, fmt(r["first_batch_s"], ".2f")])
+    return "scaling curve:\n" + table(
+        ["RTT ms", "workers", "system", "images/s", "x local", "client cpu ms/img", "1st batch s"], out
+    )
+
+
 def raw_table(raw: dict[str, Any]) -> str:
     out = []
     for name, r in raw.items():
@@ -339,7 +358,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems", default=",".join(ALL_SYSTEMS), help=f"subset of {','.join(ALL_SYSTEMS + EXTRA_SYSTEMS)}"
     )
-    p.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
+    p.add_argument(
+        "--workers", default="2",
+        help="DataLoader workers; a list sweeps them in one run, e.g. 2,4,8,16 (default 2)",
+    )
+    p.add_argument(
+        "--client-cpus", help="CPUs of the system under test (training process, workers), e.g. 0-7"
+    )
+    p.add_argument("--server-cpus", help="CPUs of the S3 server and the latency proxy, e.g. 8-15")
+    p.add_argument("--save", help="write every row as JSON to this file")
     p.add_argument("--batch-size", type=int, default=64, help="batch size (default 64)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw fetch throughput measurement")
     p.add_argument(
@@ -373,6 +400,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown systems {sorted(unknown)}; choose from {ALL_SYSTEMS}", file=sys.stderr)
         return 2
     rtts = [float(x) for x in args.rtt.split(",") if x.strip()]
+    sweep = [int(x) for x in str(args.workers).split(",") if x.strip()]
+    asked = parse_cpus(args.client_cpus), parse_cpus(args.server_cpus)
+    client_cpus, server_cpus, placement = place_cpus(*asked)
+    args.client_cpus_set = sorted(client_cpus) if client_cpus else None
+    print(placement, flush=True)
+    if server_cpus:
+        os.sched_setaffinity(0, server_cpus)  # this process runs the latency proxy's thread
 
     from blobdata.testing import LatencyProxy, LocalS3Server, upload
 
@@ -383,8 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir()
     started = time.perf_counter()
     tables: list[str] = []
+    saved: list[dict[str, Any]] = []
     try:
         with LocalS3Server(backend="seaweedfs") as server:
+            if server_cpus:
+                print(f"pinned {pin_tree(server.pid, server_cpus)} server process(es)", flush=True)
             client = _s3_client(server.endpoint_url, server)
             client.create_bucket(Bucket=BUCKET)
             t0 = time.perf_counter()
@@ -404,14 +441,22 @@ def main(argv: list[str] | None = None) -> int:
                         endpoint = proxy.endpoint_url
                     else:
                         proxy = None
-                    tables.append(run_rtt(args, rtt, endpoint, server, proxy, data, systems, workdir, logs))
+                    for workers in sweep:
+                        args.workers = workers
+                        text = run_rtt(args, rtt, endpoint, server, proxy, data, systems, workdir, logs)
+                        tables.append(text)
+                        saved.extend(args.last_rows)
     finally:
         elapsed = time.perf_counter() - started
         print(
             f"\n===== results (one run, {elapsed:.0f}s; {args.images} images, batch {args.batch_size}, "
-            f"{args.workers} workers) ====="
+            f"workers {','.join(map(str, sweep))}; {placement}) ====="
         )
         print("\n\n".join(tables))
+        if len(sweep) > 1 and saved:
+            print("\n" + scaling_table(saved))
+        if args.save:
+            Path(args.save).write_text(json.dumps({"placement": placement, "rows": saved}, indent=1))
         shutil.rmtree(workdir / "scratch", ignore_errors=True)
     return 0
 
@@ -485,6 +530,7 @@ def run_rtt(
             "server_pid": server.pid,
             "epoch_limit_s": args.epoch_limit,
             "env": env if system == "litdata" else {},
+            "client_cpus": args.client_cpus_set,
         }
         print(f"[RTT {rtt:g} ms] {system} ...", end=" ", flush=True)
         if proxy is not None:
@@ -522,15 +568,27 @@ def run_rtt(
         if "error" in res:
             print(f"    error: {res['error']}", flush=True)
 
-    parts = [f"--- RTT {rtt:g} ms ---", system_table(rows), *goals(rows), *cpu_budget(rows)]
+    args.last_rows = [
+        {
+            "rtt_ms": rtt,
+            "workers": args.workers,
+            "system": r.name,
+            "images_per_s": r.rate,
+            "first_batch_s": r.first_batch_s,
+            "client_cpu_ms_per_image": 1000 * r.cpu_s / r.images if r.images else None,
+            "server_cpu_ms_per_image": 1000 * r.server_cpu_s / r.images if r.images else None,
+            "partial": r.partial,
+        }
+        for r in rows
+    ]
+    parts = [f"--- RTT {rtt:g} ms, {args.workers} workers ---", system_table(rows), *goals(rows)]
+    parts += cpu_budget(rows)
     parts += [f"{r.name}: {r.note}" for r in rows if not r.images and len(r.note) > 40]
     if proxy is not None:
         parts.append(
             "GETs: object GETs seen by the proxy per system run; proxy ms/img: the proxy's CPU (a thread of"
             " this process) over the whole system run, listing included, per image of its first epoch"
         )
-    if rtt == 50:
-        parts.append(PREVIOUS)
     if not args.no_raw:
         spec = {
             "system": "rawfetch",

@@ -8,6 +8,7 @@ in a shuffled order, as WebDataset's own tools write them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -186,3 +187,47 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), sep, *(line(r) for r in rows)])
+
+
+# -- CPU placement: the system under test apart from the server and the proxy -------------------------
+
+
+def parse_cpus(text: str | None) -> set[int] | None:
+    """``"0-7,12"`` -> {0, ..., 7, 12}; None for None or an empty string."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def place_cpus(
+    client: set[int] | None, server: set[int] | None
+) -> tuple[set[int] | None, set[int] | None, str]:
+    """Clamp the asked CPU sets to this machine's and say what the placement is (one line)."""
+    have = set(os.sched_getaffinity(0))
+    if client is None and server is None:
+        return None, None, f"no CPU pinning: the server, the proxy and the client share {len(have)} cores"
+    c = (client & have) or have if client is not None else have
+    s = (server & have) or have if server is not None else have
+    note = f"client on CPUs {sorted(c)}, S3 server and proxy on CPUs {sorted(s)}"
+    if c & s:
+        note += f" - this machine has {len(have)} cores, so the server SHARES the client's cores"
+    return c, s, note
+
+
+def pin_tree(pid: int, cpus: set[int]) -> int:
+    """Pin ``pid`` and every descendant (by /proc) to ``cpus``; returns how many processes were pinned."""
+    pinned, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(p, cpus)
+            pinned += 1
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    todo.extend(int(c) for c in fh.read().split())
+    return pinned
