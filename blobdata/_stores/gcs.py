@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
@@ -30,6 +29,7 @@ from urllib.parse import quote
 import aiohttp
 import yarl
 
+from .. import _process
 from .._errors import (
     BlobdataError,
     NotFound,
@@ -87,7 +87,7 @@ class GCSReader:
 
     async def _headers(self) -> dict[str, str]:
         """Authorization for one request: gcsfs's credentials of this process, refreshed off the loop."""
-        pid = os.getpid()
+        pid = _process.pid()
         if self._auth is None or self._auth[0] != pid:
             # Resolving may read files or ask the metadata server: in a thread, once per process.
             fs = await asyncio.to_thread(get_fs, "gs", self._options)
