@@ -152,7 +152,7 @@ def test_wait_tells_a_slow_source_from_a_fast_one(
         fetch_options=FetchOptions(concurrency=1),
     )
     fast = FolderDataset(tmp_path / "d", loader=_sum_loader)
-    step = 0.02
+    step = 0.05  # a compute step long enough that reading 4 local files is far below 10% of it
     with caplog.at_level(logging.INFO, logger="blobdata"):
         s_fast = _epoch(fast.dataloader(batch_size=4), step)
         fast_line = caplog.messages[-1]
