@@ -7,7 +7,8 @@ Environment (read here only, for the test suite):
 
 Fixtures: ``s3_server`` (session), ``s3_bucket``, ``s3_proxy``, ``azurite`` and ``gcs_emulator``
 (session, started only when a test asks, skipped with the reason when they cannot start),
-``az_bucket``, ``gcs_bucket``, and the autouse ``isolated_cache_home``.
+``az_bucket``, ``gcs_bucket``, ``any_bucket`` (each store in turn: memory://, file://, S3, Azurite,
+the GCS emulator) and the autouse ``isolated_cache_home``.
 
 Markers: a test that uses a server fixture, directly or through another fixture, is marked
 ``network`` here, so ``-m "not network"`` starts no server (``tests/test_markers.py`` checks it). A
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -164,5 +166,34 @@ def az_bucket(azurite: LocalAzurite) -> Iterator[buckets.TestBucket]:
 def gcs_bucket(gcs_emulator: LocalGCSEmulator) -> Iterator[buckets.TestBucket]:
     """A fresh bucket on the GCS emulator; ``url("p")`` is ``gs://<bucket>/p``."""
     bucket = buckets.gcs_bucket(gcs_emulator)
+    yield bucket
+    bucket.drop()
+
+
+# ------------------------------------------------------------------------------------ any store
+
+#: The stores of ``any_bucket``, by URL scheme; those behind a server carry the network mark
+#: themselves (the fixture asks for their bucket at run time, which collection cannot see).
+STORES = [
+    pytest.param("memory", id="memory"),
+    pytest.param("file", id="file"),
+    pytest.param("s3", id="s3", marks=pytest.mark.network),
+    pytest.param("az", id="azurite", marks=pytest.mark.network),
+    pytest.param("gs", id="gcs-emulator", marks=pytest.mark.network),
+]
+
+
+@pytest.fixture(params=STORES)
+def any_bucket(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[buckets.TestBucket]:
+    """A fresh bucket on each store in turn (``bucket.scheme`` says which); a store whose server
+    cannot start is skipped with the reason."""
+    scheme = request.param
+    if scheme == "memory":
+        bucket = buckets.memory_bucket()
+    elif scheme == "file":
+        bucket = buckets.file_bucket(tmp_path)
+    else:
+        yield request.getfixturevalue({"s3": "s3_bucket", "az": "az_bucket", "gs": "gcs_bucket"}[scheme])
+        return
     yield bucket
     bucket.drop()

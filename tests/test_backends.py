@@ -1,13 +1,15 @@
 """One backend-independent suite, run against every store: memory://, local files, S3, GCS and Azure.
 
-S3 is the suite's S3 server, GCS the gcp-storage-emulator (through gcsfs for listing and
-:class:`~blobdata._stores.gcs.GCSReader` for reads), Azure is Azurite (adlfs for listing,
-:class:`~blobdata._stores.azure.AzureReader` for reads). Each emulator is started by the session fixtures
-in ``conftest.py``; a backend whose emulator cannot run is skipped with the reason.
+``any_bucket`` (``conftest.py``) is a fresh bucket on each store in turn: S3 is the suite's S3
+server, GCS the gcp-storage-emulator (gcsfs lists, :class:`~blobdata._stores.gcs.GCSReader` reads),
+Azure is Azurite (adlfs lists, :class:`~blobdata._stores.azure.AzureReader` reads). A store whose
+server cannot run is skipped with the reason, and so is a check a store cannot support (the
+reason says why). memory:// and file:// need no server: ``-m "not network"`` runs them alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import time
@@ -19,42 +21,19 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from blobdata import AccessDenied, FetchOptions, FolderDataset, NotFound, ObjectChanged
+from blobdata import AccessDenied, FetchError, FetchOptions, FolderDataset, NotFound, ObjectChanged, Throttled
 from blobdata._cache import BlobCache
 from blobdata._fetch import FetchEngine
 from blobdata._listing import list_folder
 from blobdata._loop import run
 from blobdata._url import parse_url
+from blobdata.testing import FaultMode, LatencyProxy
 from blobdata.testing.emulators import AZURITE_KEY
 from tests.support import buckets
 from tests.support.buckets import TestBucket
 
-pytestmark = pytest.mark.network
-
-BACKENDS = ["memory", "file", "s3", "gcs", "az"]
-CLOUD = {"s3", "gcs", "az"}
+CLOUD = {"s3", "gs", "az"}
 FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.05, "timeout": 15.0, "attempts": 2}
-
-
-@pytest.fixture(params=BACKENDS)
-def bucket(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestBucket]:
-    """A fresh bucket on each backend in turn; ``bucket.kind`` names the backend."""
-    kind = request.param
-    made: TestBucket
-    if kind == "memory":
-        made = buckets.memory_bucket()
-    elif kind == "file":
-        made = buckets.file_bucket(tmp_path)
-    else:
-        made = request.getfixturevalue({"s3": "s3_bucket", "gcs": "gcs_bucket", "az": "az_bucket"}[kind])
-    made.kind = kind  # type: ignore[attr-defined]
-    yield made
-    if kind in ("memory", "file"):
-        made.drop()
-
-
-def _kind(bucket: TestBucket) -> str:
-    return str(bucket.kind)  # type: ignore[attr-defined]
 
 
 def _protocol(bucket: TestBucket) -> str:
@@ -129,48 +108,48 @@ def _put_tree(bucket: TestBucket) -> dict[str, bytes]:
 # ------------------------------------------------------------------------------------- listing
 
 
-def test_listing_has_imagefolder_order(bucket: TestBucket) -> None:
-    _put_tree(bucket)
-    root = bucket.url("ds")
-    ds = FolderDataset(root, storage_options=bucket.storage_options, lookahead=0)
+def test_listing_has_imagefolder_order(any_bucket: TestBucket) -> None:
+    _put_tree(any_bucket)
+    root = any_bucket.url("ds")
+    ds = FolderDataset(root, storage_options=any_bucket.storage_options, lookahead=0)
     assert ds.classes == ["cat", "dog"]
     assert ds.class_to_idx == {"cat": 0, "dog": 1}
-    prefix = ds.root if _kind(bucket) != "file" else ds.root[len("file://") :]
+    prefix = ds.root if any_bucket.scheme != "file" else ds.root[len("file://") :]
     got = [(path[len(prefix) + 1 :], t) for path, t in ds.samples]
     assert got == [(k, t) for k, t in EXPECTED]
     assert list(ds.targets) == [t for _, t in EXPECTED]
 
 
-def test_manifest_is_remembered(bucket: TestBucket) -> None:
+def test_manifest_is_remembered(any_bucket: TestBucket) -> None:
     """The second construction reads the remembered listing of a bucket: an object added since is not
     seen. Local folders are listed afresh every time, as ImageFolder lists them."""
-    _put_tree(bucket)
-    root = bucket.url("ds")
-    first = FolderDataset(root, storage_options=bucket.storage_options, lookahead=0)
-    bucket.put("ds/cat/added-later.png", _png(99))
-    second = FolderDataset(root, storage_options=bucket.storage_options, lookahead=0)
-    if _kind(bucket) in ("memory", "file"):
+    _put_tree(any_bucket)
+    root = any_bucket.url("ds")
+    first = FolderDataset(root, storage_options=any_bucket.storage_options, lookahead=0)
+    any_bucket.put("ds/cat/added-later.png", _png(99))
+    second = FolderDataset(root, storage_options=any_bucket.storage_options, lookahead=0)
+    if any_bucket.scheme in ("memory", "file"):
         # memory:// lives and dies with the process; a local folder costs a directory walk.
         assert len(second) == len(first) + 1
         return
     assert len(second) == len(first)
     assert [s for s in second.samples] == [s for s in first.samples]
-    refreshed = FolderDataset(root, storage_options=bucket.storage_options, lookahead=0, refresh=True)
+    refreshed = FolderDataset(root, storage_options=any_bucket.storage_options, lookahead=0, refresh=True)
     assert len(refreshed) == len(first) + 1
 
 
 # ------------------------------------------------------------------------------------ fetching
 
 
-def test_fetch_whole_objects(bucket: TestBucket) -> None:
-    tree = _put_tree(bucket)
-    root = bucket.url("ds")
-    raw = FolderDataset(root, storage_options=bucket.storage_options, loader=_bytes_loader, lookahead=0)
+def test_fetch_whole_objects(any_bucket: TestBucket) -> None:
+    tree = _put_tree(any_bucket)
+    root = any_bucket.url("ds")
+    raw = FolderDataset(root, storage_options=any_bucket.storage_options, loader=_bytes_loader, lookahead=0)
     for i, (key, _t) in enumerate(EXPECTED):
         data, target = raw[i]
         assert data == tree[f"ds/{key}"]
         assert target == EXPECTED[i][1]
-    images = FolderDataset(root, storage_options=bucket.storage_options, lookahead=0)
+    images = FolderDataset(root, storage_options=any_bucket.storage_options, lookahead=0)
     batch = images.__getitems__(list(range(len(images))))
     for (img, _t), (key, _) in zip(batch, EXPECTED, strict=True):
         expected = Image.open(io.BytesIO(tree[f"ds/{key}"])).convert("RGB")
@@ -178,23 +157,24 @@ def test_fetch_whole_objects(bucket: TestBucket) -> None:
         assert np.array_equal(np.asarray(img), np.asarray(expected))
 
 
-def test_range_reads_are_byte_exact_and_identity_agrees(bucket: TestBucket) -> None:
+def test_range_reads_are_byte_exact_and_identity_agrees(any_bucket: TestBucket) -> None:
     """A ~1 MiB object read as 64 KiB parts; the identity readers report equals the listing's."""
     data = os.urandom(1024 * 1024 + 123)
-    bucket.put("big/cls/obj.bin", data)
-    bucket.put("big/cls/small.bin", b"small object")
-    manifest = list_folder(bucket.url("big"), storage_options=bucket.storage_options, extensions=(".bin",))
-    i = [manifest.url(j) for j in range(len(manifest))].index(_norm(bucket.url("big/cls/obj.bin")))
+    any_bucket.put("big/cls/obj.bin", data)
+    any_bucket.put("big/cls/small.bin", b"small object")
+    opts = any_bucket.storage_options
+    manifest = list_folder(any_bucket.url("big"), storage_options=opts, extensions=(".bin",))
+    i = [manifest.url(j) for j in range(len(manifest))].index(_norm(any_bucket.url("big/cls/obj.bin")))
     url, size, identity = manifest.url(i), manifest.size(i), manifest.identity(i)
     assert size == len(data) and identity
-    engine = _engine(bucket, part_size="64KiB")
+    engine = _engine(any_bucket, part_size="64KiB")
     try:
         body, got = _fetch(engine, url, size=size, identity=identity)
         assert body == data and got == identity
         assert engine.stats()["requests"] == 17  # ceil((1 MiB + 123) / 64 KiB) parts
         body, got = _fetch(engine, url, size=size)  # unpinned: the first part fixes the identity
         assert body == data
-        if _kind(bucket) in CLOUD:
+        if any_bucket.scheme in CLOUD:
             # The same object version has the same identity string, listed or read.
             assert got == identity
             assert _fetch(engine, url)[1] == identity
@@ -207,11 +187,11 @@ def test_range_reads_are_byte_exact_and_identity_agrees(bucket: TestBucket) -> N
 # --------------------------------------------------------------------------------- cache identity
 
 
-def test_overwritten_object_is_a_cache_miss(bucket: TestBucket, tmp_path: Path) -> None:
-    bucket.put("c/cls/a.png", b"version one")
-    root = bucket.url("c")
+def test_overwritten_object_is_a_cache_miss(any_bucket: TestBucket, tmp_path: Path) -> None:
+    any_bucket.put("c/cls/a.png", b"version one")
+    root = any_bucket.url("c")
     cache_dir = tmp_path / "cache"
-    opts = {"storage_options": bucket.storage_options, "loader": _bytes_loader, "lookahead": 0}
+    opts = {"storage_options": any_bucket.storage_options, "loader": _bytes_loader, "lookahead": 0}
     old = FolderDataset(root, cache=cache_dir, **opts)  # type: ignore[arg-type]
     assert old[0][0] == b"version one"
     old.close()
@@ -219,7 +199,7 @@ def test_overwritten_object_is_a_cache_miss(bucket: TestBucket, tmp_path: Path) 
     with BlobCache(cache_dir) as cache:
         assert cache.get(url, old_identity) == b"version one"
 
-    bucket.put("c/cls/a.png", b"version two, longer")  # another size: local mtimes can tie
+    any_bucket.put("c/cls/a.png", b"version two, longer")  # another size: local mtimes can tie
     new = FolderDataset(root, cache=cache_dir, refresh=True, **opts)  # type: ignore[arg-type]
     new_identity = new.manifest.identity(0)
     assert new.manifest.url(0) == url and new_identity != old_identity
@@ -237,11 +217,11 @@ def test_overwritten_object_is_a_cache_miss(bucket: TestBucket, tmp_path: Path) 
 # ------------------------------------------------------------------------------------------ errors
 
 
-def test_missing_object_is_not_found_with_its_url(bucket: TestBucket) -> None:
-    bucket.put("e/cls/a.png", b"x")
-    engine = _engine(bucket)
+def test_missing_object_is_not_found_with_its_url(any_bucket: TestBucket) -> None:
+    any_bucket.put("e/cls/a.png", b"x")
+    engine = _engine(any_bucket)
     try:
-        missing = bucket.url("e/cls/missing.png")
+        missing = any_bucket.url("e/cls/missing.png")
         out = engine.fetch_many_sync([(missing, None, None), (missing, 1, "123")], timeout=60)
         for err in out:
             assert isinstance(err, NotFound), err
@@ -250,14 +230,14 @@ def test_missing_object_is_not_found_with_its_url(bucket: TestBucket) -> None:
         engine.close()
 
 
-def test_missing_bucket_is_not_found(bucket: TestBucket) -> None:
+def test_missing_bucket_is_not_found(any_bucket: TestBucket) -> None:
     other = buckets.unique_name("missing")
-    url = bucket.url("x").replace(os.path.basename(bucket.name), other, 1)
+    url = any_bucket.url("x").replace(os.path.basename(any_bucket.name), other, 1)
     assert other in url
     with pytest.raises(NotFound) as info:
-        FolderDataset(url, storage_options=bucket.storage_options)
+        FolderDataset(url, storage_options=any_bucket.storage_options)
     assert other in str(info.value)
-    engine = _engine(bucket)
+    engine = _engine(any_bucket)
     try:
         out = engine.fetch_many_sync([(url + "/cls/a.png", None, None)], timeout=60)
         assert isinstance(out[0], NotFound) and other in str(out[0])
@@ -266,10 +246,10 @@ def test_missing_bucket_is_not_found(bucket: TestBucket) -> None:
 
 
 def _bad_credentials(bucket: TestBucket) -> dict[str, Any]:
-    kind = _kind(bucket)
+    kind = bucket.scheme
     if kind in ("memory", "file"):
         pytest.skip(f"{kind}:// has no credentials to refuse")
-    if kind == "gcs":
+    if kind == "gs":
         pytest.skip("gcp-storage-emulator accepts any credentials (it checks no Authorization header)")
     if kind == "s3":
         return {**bucket.storage_options, "secret": "wrong-secret-for-the-test"}
@@ -279,13 +259,13 @@ def _bad_credentials(bucket: TestBucket) -> dict[str, Any]:
     return {"connection_string": conn}
 
 
-def test_bad_credentials_are_access_denied(bucket: TestBucket) -> None:
-    bucket.put("d/cls/a.png", b"x")
-    bad = _bad_credentials(bucket)
+def test_bad_credentials_are_access_denied(any_bucket: TestBucket) -> None:
+    any_bucket.put("d/cls/a.png", b"x")
+    bad = _bad_credentials(any_bucket)
     with pytest.raises(AccessDenied):
-        FolderDataset(bucket.url("d"), storage_options=bad, refresh=True)
-    good = FolderDataset(bucket.url("d"), storage_options=bucket.storage_options)
-    engine = FetchEngine(FetchOptions(**FAST), _protocol(bucket), bad)
+        FolderDataset(any_bucket.url("d"), storage_options=bad, refresh=True)
+    good = FolderDataset(any_bucket.url("d"), storage_options=any_bucket.storage_options)
+    engine = FetchEngine(FetchOptions(**FAST), _protocol(any_bucket), bad)
     try:
         out = engine.fetch_many_sync([(good.manifest.url(0), 1, good.manifest.identity(0))], timeout=60)
         assert isinstance(out[0], AccessDenied), out[0]
@@ -295,27 +275,95 @@ def test_bad_credentials_are_access_denied(bucket: TestBucket) -> None:
 
 
 @pytest.mark.parametrize("same_size", [False, True], ids=["resized", "same-size"])
-def test_object_overwritten_after_listing_is_object_changed(bucket: TestBucket, same_size: bool) -> None:
+def test_object_overwritten_after_listing_is_object_changed(any_bucket: TestBucket, same_size: bool) -> None:
     small, big = b"0123456789", os.urandom(300 * 1024)
-    bucket.put_many({"o/cls/small.png": small, "o/cls/big.png": big})
+    any_bucket.put_many({"o/cls/small.png": small, "o/cls/big.png": big})
     ds = FolderDataset(
-        bucket.url("o"),
-        storage_options=bucket.storage_options,
+        any_bucket.url("o"),
+        storage_options=any_bucket.storage_options,
         loader=_bytes_loader,
         lookahead=0,
         fetch_options=FetchOptions(part_size="64KiB", **FAST),
     )
-    if same_size and _kind(bucket) == "memory":
+    if same_size and any_bucket.scheme == "memory":
         pytest.skip("memory:// reads do not verify the identity; only a size change is detected there")
     if same_size:
-        bucket.put_many({"o/cls/small.png": b"9876543210", "o/cls/big.png": os.urandom(len(big))})
+        any_bucket.put_many({"o/cls/small.png": b"9876543210", "o/cls/big.png": os.urandom(len(big))})
     else:
-        bucket.put_many({"o/cls/small.png": small + b"!", "o/cls/big.png": big + b"!"})
+        any_bucket.put_many({"o/cls/small.png": small + b"!", "o/cls/big.png": big + b"!"})
     # big.png is read in five ranged parts, small.png in one request. A grown object read in parts
     # is only caught where the reader reports the total size or the identity (not on memory://).
-    checked = [1] if _kind(bucket) == "memory" else range(len(ds))
+    checked = [1] if any_bucket.scheme == "memory" else range(len(ds))
     assert ds.manifest.url(1).endswith("small.png")
     for i in checked:
         with pytest.raises(ObjectChanged) as info:
             ds[i]
         assert ds.manifest.url(i) in str(info.value)
+
+
+# ----------------------------------------------------------------------------------------- retries
+
+
+@contextlib.contextmanager
+def _proxied(bucket: TestBucket) -> Iterator[tuple[LatencyProxy, FetchEngine, str]]:
+    """A fault proxy before the bucket's server, an engine (4 attempts, 64 KiB parts) reading through
+    it, and the URL of a 200 KiB object ``r/cls/a.bin``; skips for stores with no server."""
+    with contextlib.ExitStack() as stack:
+        try:
+            proxy, options = stack.enter_context(buckets.through_proxy(bucket))
+        except LookupError as exc:
+            pytest.skip(str(exc))
+        options_ = FetchOptions(**{**FAST, "attempts": 4, "part_size": "64KiB"})
+        engine = FetchEngine(options_, _protocol(bucket), options)
+        stack.callback(engine.close)
+        yield proxy, engine, bucket.url("r/cls/a.bin")
+
+
+def _data_gets(proxy: LatencyProxy) -> int:
+    """GETs of object bytes. The GCS reader asks for an object's generation in a second GET where the
+    store does not send it with the bytes (the emulator never does): those are not counted."""
+    return sum(method == "GET" and "fields=generation" not in target for method, target in proxy.requests)
+
+
+@pytest.mark.parametrize("mode", ["status503", "status500", "reset", "close"])
+def test_transient_failures_are_retried(
+    any_bucket: TestBucket, mode: FaultMode, request: pytest.FixtureRequest
+) -> None:
+    """Two failed GETs, then the bytes; a failed part of a ranged read is retried on its own. Each
+    failure costs one attempt of the engine's budget: no client library retries behind its back."""
+    if any_bucket.scheme == "az" and mode in ("reset", "close"):
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="the Azure SDK's aiohttp transport retries a request once when a pooled connection "
+                "fails (aiohttp's retry_persistent_connection), on top of the engine's budget; the GCS "
+                "reader turns that off (_stores/http.py lean_session), AzureReader does not yet",
+            )
+        )
+    data = os.urandom(200 * 1024 + 5)
+    any_bucket.put("r/cls/a.bin", data)
+    with _proxied(any_bucket) as (proxy, engine, url):
+        assert _fetch(engine, url)[0] == data  # opens a connection: a fault then hits a reused one
+        engine.reset_stats()
+        proxy.fail_next(2, mode, method="GET")
+        assert _fetch(engine, url)[0] == data
+        assert proxy.faults_triggered == 2 and engine.stats()["retries"] == 2
+        engine.reset_stats()
+        proxy.reset_counts()
+        proxy.fail_next(1, mode, method="GET")
+        assert _fetch(engine, url, size=len(data))[0] == data  # four parts, the first one failing once
+        assert proxy.faults_triggered == 1 and engine.stats()["retries"] == 1
+        assert engine.stats()["requests"] == 5 == _data_gets(proxy)
+
+
+@pytest.mark.parametrize(("mode", "error"), [("status503", Throttled), ("status500", FetchError)])
+def test_exhausted_retries_are_the_final_error(
+    any_bucket: TestBucket, mode: FaultMode, error: type[FetchError]
+) -> None:
+    any_bucket.put("r/cls/a.bin", b"payload")
+    with _proxied(any_bucket) as (proxy, engine, url):
+        proxy.fail_next(100, mode, method="GET")
+        out = engine.fetch_many_sync([(url, None, None)], timeout=60)
+        assert type(out[0]) is error, out[0]  # throttling and server errors are told apart on every store
+        assert url in str(out[0]) and "4 attempts" in str(out[0])
+        assert _data_gets(proxy) == 4

@@ -269,21 +269,3 @@ def test_engine_in_child_process(
     assert result == hashlib.sha256(data).hexdigest()
     assert proc.exitcode == 0
     assert _fetch(engine, s3_bucket.url("c.bin"))[0] == data  # and the parent still works
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("fixture", ["gcs_bucket", "az_bucket"])
-def test_generic_reader_cloud_emulators(request: pytest.FixtureRequest, fixture: str) -> None:
-    """gs:// and az:// go through the fsspec reader: whole objects, ranged parts, NotFound."""
-    bucket = request.getfixturevalue(fixture)
-    data = os.urandom(200 * 1024 + 7)
-    bucket.put("dir/obj.bin", data)
-    protocol = bucket.scheme if bucket.scheme != "gcs" else "gs"
-    engine = FetchEngine(FetchOptions(part_size="64KiB", **FAST), protocol, bucket.storage_options)
-    try:
-        assert _fetch(engine, bucket.url("dir/obj.bin"))[0] == data
-        assert _fetch(engine, bucket.url("dir/obj.bin"), size=len(data))[0] == data  # four parts
-        out = engine.fetch_many_sync([(bucket.url("dir/missing.bin"), None, None)], timeout=60)
-        assert isinstance(out[0], NotFound) and bucket.url("dir/missing.bin") in str(out[0])
-    finally:
-        engine.close()

@@ -2,6 +2,8 @@
 
 Each backend only supplies how to create, write, delete and drop a bucket (:class:`_Backend`); the
 test-facing :class:`TestBucket` is shared, so S3, Azurite and the GCS emulator behave alike in tests.
+:func:`through_proxy` puts a :class:`~blobdata.testing.LatencyProxy` between blobdata and a bucket's
+server, whichever store it is.
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
-from blobdata.testing import LocalAzurite, LocalGCSEmulator, S3Endpoint, s3_client
+from blobdata.testing import LatencyProxy, LocalAzurite, LocalGCSEmulator, S3Endpoint, s3_client
 
 __all__ = [
     "TestBucket",
@@ -23,6 +26,7 @@ __all__ = [
     "gcs_bucket",
     "memory_bucket",
     "s3_bucket",
+    "through_proxy",
     "unique_name",
 ]
 
@@ -239,3 +243,34 @@ def file_bucket(directory: str | os.PathLike[str]) -> TestBucket:
     """A fresh folder below ``directory``; ``url("p")`` is ``file:///<directory>/<name>/p``."""
     base = os.path.abspath(os.fspath(directory))
     return TestBucket(_Local(), {}, name=os.path.join(base, unique_name()))
+
+
+_PORT = re.compile(r"^(https?://127\.0\.0\.1):(\d+)(/.*)?$")
+_AZ_ENDPOINT = re.compile(r"BlobEndpoint=(http://127\.0\.0\.1:\d+/[^;]*)")
+
+
+@contextlib.contextmanager
+def through_proxy(bucket: TestBucket, **proxy_options: Any) -> Iterator[tuple[LatencyProxy, dict[str, Any]]]:
+    """A started :class:`LatencyProxy` in front of ``bucket``'s server (``proxy_options`` are its
+    keyword arguments) and the storage options that reach the bucket through it.
+
+    S3 and the GCS emulator are addressed by ``endpoint_url``, Azurite by its connection string's
+    ``BlobEndpoint``. Raises LookupError for memory:// and file://, which have no server.
+    """
+    opts = dict(bucket.storage_options)
+    if bucket.scheme in ("s3", "gs"):
+        key, value = "endpoint_url", str(opts.get("endpoint_url", ""))
+        endpoint = value
+    elif bucket.scheme == "az":
+        key, value = "connection_string", str(opts.get("connection_string", ""))
+        found = _AZ_ENDPOINT.search(value)
+        endpoint = found.group(1) if found else ""
+    else:
+        raise LookupError(f"{bucket.scheme}:// is read in process: there is no server to put a proxy before")
+    match = _PORT.match(endpoint)
+    if match is None:
+        raise LookupError(f"{bucket.scheme} endpoint {endpoint!r} is not a local http://127.0.0.1:PORT")
+    with LatencyProxy("127.0.0.1", int(match.group(2)), **proxy_options) as proxy:
+        proxied = f"{match.group(1)}:{proxy.port}{match.group(3) or ''}"
+        opts[key] = value.replace(endpoint, proxied)
+        yield proxy, opts
