@@ -1,0 +1,101 @@
+"""The shared cache under many processes: put and get rates and CPU per operation, P = 1..32.
+
+    python benchmarks/bench_cache_procs.py [--procs 1,2,4,8,16,32] [--values 256] [--size 100000]
+
+P processes (forked, as DataLoader workers are) share one fresh cache directory. Each writes
+``--values`` values of ``--size`` bytes with ``put_many`` in batches of ``--batch`` (32), then reads
+them back with ``get``; a barrier starts every phase together. Printed per P: aggregate puts/s and
+gets/s (operations over the phase's wall time) and CPU per put and per get (each process's own CPU
+time, summed). The last lines give P=16 (or the largest P run) against P=1: the issue's goal is CPU per
+operation within 1.3x and aggregate puts/s at least P=1's. On a machine with fewer cores than P the
+processes share cores, and the output says so: compare CPU per operation there, not rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+
+def _worker(directory: str, rank: int, args: Any, barrier: Any, out: Any) -> None:
+    from blobdata import BlobCache
+
+    cache = BlobCache(directory, size_limit=10**13)
+    payload = os.urandom(args.size)
+    keys = [(f"s3://bench/p{rank}/{i}.jpg", f"etag-{i}") for i in range(args.values)]
+    barrier.wait()
+    t0, c0 = time.perf_counter(), time.process_time()
+    stored = 0
+    for start in range(0, len(keys), args.batch):
+        batch = keys[start : start + args.batch]
+        stored += sum(cache.put_many([(url, ident, payload) for url, ident in batch]))
+    put_wall, put_cpu = time.perf_counter() - t0, time.process_time() - c0
+    barrier.wait()
+    t0, c0 = time.perf_counter(), time.process_time()
+    hits = sum(cache.get(url, ident) is not None for url, ident in keys)
+    get_wall, get_cpu = time.perf_counter() - t0, time.process_time() - c0
+    cache.close()
+    out.put((rank, stored, hits, put_wall, put_cpu, get_wall, get_cpu))
+
+
+def run(p: int, args: Any) -> dict[str, float]:
+    directory = tempfile.mkdtemp(prefix=f"bench-cache-p{p}-", dir=args.dir)
+    ctx = mp.get_context("fork")
+    barrier, out = ctx.Barrier(p), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(directory, r, args, barrier, out)) for r in range(p)]
+    for proc in procs:
+        proc.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(60)
+    shutil.rmtree(directory, ignore_errors=True)
+    n = p * args.values
+    stored = sum(r[1] for r in results)
+    hits = sum(r[2] for r in results)
+    return {
+        "procs": p,
+        "puts_per_s": stored / max(r[3] for r in results),
+        "gets_per_s": hits / max(r[5] for r in results),
+        "cpu_ms_per_put": 1000 * sum(r[4] for r in results) / max(stored, 1),
+        "cpu_ms_per_get": 1000 * sum(r[6] for r in results) / max(hits, 1),
+        "stored": stored / n,
+        "hits": hits / n,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--procs", default="1,2,4,8,16,32")
+    p.add_argument("--values", type=int, default=256, help="values per process (default 256)")
+    p.add_argument("--size", type=int, default=100_000, help="bytes per value (default 100000)")
+    p.add_argument("--batch", type=int, default=32, help="values per put_many (default 32)")
+    p.add_argument("--dir", default=None, help="where the cache directories go (default: the temp dir)")
+    args = p.parse_args()
+    counts = [int(x) for x in args.procs.split(",") if x.strip()]
+    cores = len(os.sched_getaffinity(0))
+    rows = [run(n, args) for n in counts]
+    shared = " (fewer than P: processes share cores; compare CPU per op)" if max(counts) > cores else ""
+    print(f"{args.values} values of {args.size} bytes per process, put_many batches of {args.batch}; "
+          f"{cores} cores{shared}")  # fmt: skip
+    print(f"{'P':>3} {'puts/s':>9} {'gets/s':>9} {'CPU ms/put':>11} {'CPU ms/get':>11} {'stored':>7} "
+          f"{'hits':>6}")  # fmt: skip
+    for r in rows:
+        print(f"{r['procs']:>3} {r['puts_per_s']:>9.0f} {r['gets_per_s']:>9.0f} {r['cpu_ms_per_put']:>11.3f} "
+              f"{r['cpu_ms_per_get']:>11.3f} {r['stored']:>7.0%} {r['hits']:>6.0%}")  # fmt: skip
+    base = next((r for r in rows if r["procs"] == 1), None)
+    top = next((r for r in rows if r["procs"] == 16), rows[-1])
+    if base is not None and top is not base:
+        put_ratio = top["cpu_ms_per_put"] / base["cpu_ms_per_put"]
+        print(f"P={top['procs']:.0f} vs P=1: CPU per put {put_ratio:.2f}x, "
+              f"CPU per get {top['cpu_ms_per_get'] / base['cpu_ms_per_get']:.2f}x (goal <= 1.3x); aggregate "
+              f"puts/s {top['puts_per_s'] / base['puts_per_s']:.2f}x (goal >= 1.0x)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
