@@ -294,13 +294,13 @@ def goals(rows: list[Row]) -> list[str]:
     return lines
 
 
-def cpu_budget(rows: list[Row]) -> list[str]:
+def cpu_budget(rows: list[Row], cores: int | None = None) -> list[str]:
     """Where each system's CPU per image goes, and the rate that CPU allows on this machine's cores.
 
     Every system here is CPU-bound on a machine it shares with the S3 server and the latency proxy,
     so ``cores / (client + server + proxy)`` bounds its images/s; the terms say where a gap comes from.
     """
-    cores = os.cpu_count() or 1
+    cores = cores or os.cpu_count() or 1
     lines = [f"CPU ms per image (client = the child and its workers) and the bound it sets on {cores} cores:"]
     for r in rows:
         if not r.images or math.isnan(r.cpu_s) or r.name not in ("local disk", "WebDataset", "blobdata cold"):
@@ -582,7 +582,8 @@ def run_rtt(
         for r in rows
     ]
     parts = [f"--- RTT {rtt:g} ms, {args.workers} workers ---", system_table(rows), *goals(rows)]
-    parts += cpu_budget(rows)
+    pinned = getattr(args, "client_cpus_set", None)
+    parts += cpu_budget(rows, len(pinned) if pinned else None)  # pinned: only the client's cores count
     parts += [f"{r.name}: {r.note}" for r in rows if not r.images and len(r.note) > 40]
     if proxy is not None:
         parts.append(
