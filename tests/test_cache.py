@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import diskcache
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -35,8 +34,7 @@ from blobdata._cache import (
     Policy,
 )
 from blobdata._cache.packs import aligned, parse_slice, punch, punch_supported
-from blobdata._cache.values import BytesDisk as _BytesDisk
-from blobdata._cache.values import Refused as _Refused
+from blobdata._cache.values import HEADER, Corrupt, Refused, checksum, key_of, write_value_file
 from blobdata._errors import CacheError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +64,7 @@ def value_bytes(directory: Path) -> int:
 
 def rows(directory: Path) -> list[tuple[Any, ...]]:
     with sqlite3.connect(directory / "cache.db") as con:
-        return con.execute("SELECT key, raw, mode, filename FROM Cache").fetchall()
+        return con.execute("SELECT key, typeof(key) = 'text', inline, filename FROM entries").fetchall()
 
 
 def locate(directory: Path, url: str) -> tuple[Path, int, int]:
@@ -85,7 +83,15 @@ def files_referenced(directory: Path) -> set[str]:
 
 def indexed_value_bytes(directory: Path) -> int:
     with sqlite3.connect(directory / "cache.db") as con:
-        return int(con.execute("SELECT COALESCE(SUM(size), 0) FROM Cache").fetchone()[0])
+        return int(con.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
+
+
+def totals(directory: Path) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((count, size) kept by the index's triggers, (count, size) summed over its rows): always equal."""
+    with sqlite3.connect(directory / "cache.db") as con:
+        kept = dict(con.execute("SELECT key, value FROM meta WHERE key IN ('count', 'size')").fetchall())
+        summed = con.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM entries").fetchone()
+    return (int(kept["count"]), int(kept["size"])), (int(summed[0]), int(summed[1]))
 
 
 # ext4 adds a 4 KiB extent block to a pack once holes split it into more than 4 extents.
@@ -190,7 +196,7 @@ def test_truncated_missing_and_inline_corruption(tmp_path: Path, store: str) -> 
         else:
             path.unlink()
         with sqlite3.connect(tmp_path / "cache.db") as con:
-            con.execute("UPDATE Cache SET value = CAST(? AS BLOB) WHERE filename IS NULL", (b"x" * 40,))
+            con.execute("UPDATE entries SET inline = CAST(? AS BLOB) WHERE filename IS NULL", (b"x" * 40,))
         for name in ("trunc", "gone", "inline"):
             assert cache.get(f"s3://b/{name}", "e") is None
         assert cache.stats().corrupt == 3 and cache.stats().entries == 0
@@ -211,50 +217,126 @@ def _tamper_payload(marker: Path) -> bytes:
     return pickle.dumps(Evil())
 
 
-def test_tampered_pickle_rows_are_refused_and_never_unpickled(tmp_path: Path, store: str) -> None:
+def test_tampered_rows_are_refused_and_never_unpickled(tmp_path: Path, store: str) -> None:
     marker = tmp_path / "pwned"
     payload = _tamper_payload(marker)
     directory = tmp_path / "c"
+    decoy = tmp_path / "decoy.val"
+    decoy.write_bytes(b"not the cache's")
     with BlobCache(directory, size_limit="10MB") as cache:
         assert cache.put("s3://b/inline", "e", value(1, SMALL))
         assert cache.put("s3://b/file", "e", value(2, BIG))
+        assert cache.put("s3://b/outside", "e", value(3, BIG))
+        assert cache.put("s3://b/nothing", "e", value(4, SMALL))
         path, offset, _ = locate(directory, "s3://b/file")
-        with open(path, "r+b") as f:
+        with open(path, "r+b") as f:  # a pickle where the value's bytes were: fails its checksum
             f.seek(offset)
             f.write(payload)
         with sqlite3.connect(directory / "cache.db") as con:
-            con.execute("UPDATE Cache SET mode = 4, value = ? WHERE filename IS NULL", (payload,))
-            con.execute("UPDATE Cache SET mode = 4 WHERE filename IS NOT NULL")
-            # A row whose key itself is a pickle (raw = 0).
-            con.execute(
-                "INSERT INTO Cache (key, raw, store_time, mode, value) VALUES (?, 0, 0, 4, ?)",
-                (payload, payload),
-            )
-        assert cache.get("s3://b/inline", "e") is None
-        assert cache.get("s3://b/file", "e") is None
+            like = "%s3://b/{}\n%"
+            con.execute("UPDATE entries SET inline = ? WHERE key LIKE ?", (payload, like.format("inline")))
+            outside = like.format("outside")
+            con.execute("UPDATE entries SET filename = '../decoy.val' WHERE key LIKE ?", (outside,))
+            con.execute("UPDATE entries SET inline = NULL WHERE key LIKE ?", (like.format("nothing"),))
+        for name in ("inline", "file", "outside", "nothing"):
+            assert cache.get(f"s3://b/{name}", "e") is None, name
         s = cache.stats()
-        assert (s.corrupt, s.misses, s.hits) == (2, 2, 0)
-        # diskcache's own paths through the Disk refuse too (keys and values).
-        dc = cache._connect()
-        with pytest.raises(_Refused):
-            list(dc)
-        with pytest.raises(_Refused):
-            dc.disk.fetch(4, None, payload, False)
-        with pytest.raises(TypeError):
-            dc.disk.store({"not": "bytes"}, False)
-        with pytest.raises(_Refused):  # no path outside the directory is ever read
-            dc.disk.fetch(2, "../../etc/passwd", None, False)
-        assert _BytesDisk(str(directory)).get("k", True) == "k"
+        assert (s.corrupt, s.misses, s.hits, s.entries) == (4, 4, 0, 0)  # every bad row dropped
+        values = cache._connect().values
+        with pytest.raises(Refused):  # no path outside the directory is ever read
+            values.fetch("../../etc/passwd", None)
+        with pytest.raises(Refused):
+            values.fetch(b"pk/x.pack", None)
+        with pytest.raises(Refused):
+            values.fetch(None, None)
+        with pytest.raises(Corrupt):
+            values.fetch(None, payload)
+        values.remove("../decoy.val")  # ... nor deleted
+    assert decoy.read_bytes() == b"not the cache's"
     assert not marker.exists()
-    # Control: stock diskcache would have run the payload, so this test can fail.
-    with sqlite3.connect(directory / "cache.db") as con:
-        con.execute(
-            "INSERT INTO Cache (key, raw, store_time, mode, value) VALUES ('k', 1, 0, 4, ?)", (payload,)
-        )
-    stock = diskcache.Cache(str(directory))
-    stock.get("k")
-    stock.close()
+    # Control: the payload is live, so this test can fail if anything unpickled it.
+    pickle.loads(payload)
     assert marker.exists()
+
+
+def test_no_module_can_unpickle_or_use_diskcache() -> None:
+    """The cache stores bytes in its own schema: nothing in blobdata imports a deserialiser of objects."""
+    import ast
+
+    banned = {"pickle", "dill", "cloudpickle", "marshal", "shelve", "diskcache", "joblib"}
+    found = []
+    for path in (ROOT / "blobdata").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [(path.name, n) for n in names if n.split(".")[0] in banned]
+    assert found == []
+    # Control: the walk does see imports.
+    assert "sqlite3" in {
+        a.name
+        for n in ast.walk(ast.parse((ROOT / "blobdata/_cache/db.py").read_text()))
+        if isinstance(n, ast.Import)
+        for a in n.names
+    }
+
+
+def test_an_index_written_by_blobdata_0_1_is_rebuilt_in_place(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import diskcache  # a test dependency only: it makes the layout that blobdata <= 0.1 left on disk
+
+    directory = tmp_path / "c"
+    old = diskcache.Cache(str(directory), eviction_policy="none", statistics=0, tag_index=0)
+    old.set("foreign", {"a": "pickled object"})  # not plain bytes: dropped, never read
+    old.close()
+    big, small = value(1, BIG), value(2, SMALL)
+    staged = write_value_file(str(directory), big, *checksum(big))
+    kind, crc = checksum(small)
+    swept_at = time.time() - 5
+    with sqlite3.connect(directory / "cache.db") as con:  # the rows as blobdata 0.1 inserted them
+        con.execute("CREATE TABLE Blobdata (key TEXT PRIMARY KEY, value)")
+        con.execute("INSERT INTO Blobdata VALUES ('last_sweep', ?)", (swept_at,))
+        insert = (
+            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag,"
+            " size, mode, filename, value) VALUES (?, 1, 1.0, NULL, 2.0, 0, NULL, ?, ?, ?, ?)"
+        )
+        con.execute(insert, (key_of("s3://b/big", "e"), staged.size, 2, staged.filename, None))
+        inline = HEADER.pack(kind.encode(), crc) + small
+        con.execute(insert, (key_of("s3://b/small", "e"), 0, 1, None, inline))
+    with caplog.at_level(logging.INFO, logger="blobdata"), BlobCache(directory, size_limit="10MB") as cache:
+        assert cache.get("s3://b/big", "e") == big and cache.get("s3://b/small", "e") == small
+        assert cache.stats().entries == 2 and cache.stats().corrupt == 0
+        assert cache.put("s3://b/new", "e", value(3, BIG))
+    (message,) = [r.getMessage() for r in caplog.records if "older blobdata" in r.getMessage()]
+    assert "2 entries kept" in message and "1 rows" in message and str(directory) in message
+    with sqlite3.connect(directory / "cache.db") as con:
+        tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        assert con.execute("SELECT value FROM meta WHERE key = 'last_sweep'").fetchone() == (swept_at,)
+    assert {"entries", "meta"} <= tables and not tables & {"Cache", "Settings", "Blobdata"}
+    kept, summed = totals(directory)
+    assert kept == summed and kept[0] == 3
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="blobdata"), BlobCache(directory, size_limit="10MB") as again:
+        assert again.get("s3://b/big", "e") == big and again.stats().entries == 3
+    assert not [r for r in caplog.records if "older blobdata" in r.getMessage()]  # rebuilt once
+
+
+def test_a_database_that_is_not_a_cache_index_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    directory.mkdir()
+    with sqlite3.connect(directory / "cache.db") as con:
+        con.execute("CREATE TABLE notes (text)")
+        con.execute("INSERT INTO notes VALUES ('mine')")
+    with pytest.raises(CacheError, match="not a blobdata cache index"):
+        BlobCache(directory)
+    with sqlite3.connect(directory / "cache.db") as con:  # untouched
+        assert con.execute("SELECT text FROM notes").fetchall() == [("mine",)]
+        assert {n for (n,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} == {"notes"}
 
 
 def test_permissions_of_directory_and_every_file(tmp_path: Path, store: str) -> None:
@@ -340,7 +422,7 @@ def test_orphans_are_swept_after_the_grace_period_only(
     young = orphan("ab" + "2" * 30 + "-186a0-c00000000.val", time.time())
     foreign = orphan("notes.txt", old)
     with sqlite3.connect(tmp_path / "cache.db") as con:  # the last sweep (at creation) is long ago
-        con.execute("UPDATE Blobdata SET value = ? WHERE key = 'last_sweep'", (old,))
+        con.execute("UPDATE meta SET value = ? WHERE key = 'last_sweep'", (old,))
     BlobCache(tmp_path, orphan_grace="10m").close()
     assert not stale_val.exists() and not stale_tmp.exists()
     assert young.exists() and foreign.exists() and kept.exists()
@@ -366,7 +448,7 @@ def test_pack_leftovers_are_punched_and_dead_packs_deleted(tmp_path: Path) -> No
     # Crash leftovers: bytes appended after the last row (a writer killed before its insert), and
     # the range of a deleted row that was never punched (killed between DELETE and the punch).
     with sqlite3.connect(tmp_path / "cache.db") as con:
-        con.execute("DELETE FROM Cache WHERE key LIKE ?", ("%s3://b/1\n%",))
+        con.execute("DELETE FROM entries WHERE key LIKE ?", ("%s3://b/1\n%",))
     with open(live_pack, "r+b") as f:
         f.seek(4 * aligned(BIG))
         f.write(b"partial" * 10_000)
@@ -383,7 +465,7 @@ def test_pack_leftovers_are_punched_and_dead_packs_deleted(tmp_path: Path) -> No
     before = live_pack.stat().st_blocks * 512
     assert before >= 4 * aligned(BIG) + 70_000
     with sqlite3.connect(tmp_path / "cache.db") as con:
-        con.execute("UPDATE Blobdata SET value = 0 WHERE key = 'last_sweep'")
+        con.execute("UPDATE meta SET value = 0 WHERE key = 'last_sweep'")
     try:
         with BlobCache(tmp_path, orphan_grace="10m") as swept:
             assert [swept.get(f"s3://b/{i}", "e") == value(i, BIG) for i in range(4)] == [
@@ -503,6 +585,8 @@ def test_sigkill_in_the_middle_of_a_value_write(tmp_path: Path, store: str) -> N
     assert {str(p.relative_to(tmp_path)) for p in value_files(tmp_path)} == files_referenced(tmp_path)
     indexed = indexed_value_bytes(tmp_path)  # the half-written value's blocks are free again
     assert indexed <= value_bytes(tmp_path) <= indexed + EXTENT_SLACK
+    kept, summed = totals(tmp_path)
+    assert kept == summed
 
 
 # -- several processes --------------------------------------------------------------------------
@@ -609,7 +693,7 @@ def test_pickles_as_its_configuration_and_reopens_lazily(tmp_path: Path) -> None
     assert cache.put("s3://b/x", "e", b"payload")
     assert cache.__getstate__() == (str(tmp_path), 3_000_000, "lru")
     clone = pickle.loads(pickle.dumps(cache))
-    assert clone._dc is None  # nothing opened until first use
+    assert clone._opened is None  # nothing opened until first use
     assert clone.get("s3://b/x", "e") == b"payload"
     assert clone.stats().policy == "lru" and clone.stats().size_limit == 3_000_000
 
@@ -656,10 +740,12 @@ def test_size_bound_holds_under_four_concurrent_writers(tmp_path: Path, policy: 
     # ext4 adds an extent block to a pack with many holes); with the index pages that makes
     # volume_bytes, bounded above. The index file itself may keep a tail of pages freed since the
     # last checkpoint (WAL mode truncates it only then): WAL slack.
-    _, indexed = BlobCache._volume(cache._connect()._sql)
+    _, indexed = BlobCache._volume(cache._connect().db.sql)
     packs = [name for name in sizes if name.endswith(".pack")]
     assert indexed <= value_bytes(tmp_path) <= indexed + EXTENT_SLACK * len(packs)
     assert wal_peak <= WAL_SLACK_BYTES
+    kept, summed = totals(tmp_path)  # the running totals stayed exact under concurrent writers
+    assert kept == summed and kept[0] == final.entries and summed[0] > 0
     assert sum(sizes.values()) <= limit + SLACK_BYTES + WAL_SLACK_BYTES + EXTENT_SLACK * len(packs)
     assert not [name for name in sizes if name.endswith(".tmp")]
 

@@ -1,6 +1,7 @@
 """The local SSD cache: size-bounded, shared by every DataLoader worker, rank and job on a node.
 
-One directory holds a diskcache SQLite index (``cache.db``, WAL mode, process-safe) and the values:
+One directory holds a SQLite index whose schema blobdata owns (``cache.db``, WAL mode, process-safe;
+see :mod:`.db`) and the values:
 appended to pack files, one per writing process (``pk/<random>.pack``, see :mod:`.packs`: creating
 a file per object cost more than everything else a put does), or, on a filesystem that cannot
 punch holes, one value file per object under 256 subfolders (``ab/<random>-<size>-<checksum>.val``).
@@ -8,9 +9,10 @@ Small values (< 32 KiB) live inline in the index. The key is the object URL plus
 (ETag, generation, version), so a changed object is a miss and its stale entry is replaced.
 
 Safety
-  * Bytes only: :class:`_BytesDisk` stores and returns bytes and refuses every row whose mode is
-    not raw/binary or whose key is not a str, so a tampered row never reaches ``pickle``
-    (diskcache <= 5.6.3 unpickles by default, CVE-2025-69872). A refused row is a counted miss.
+  * Bytes only: the index holds keys, value locations and small values with their checksums, never
+    an object; :class:`~.values.Values` returns bytes and refuses every row it did not write (a file
+    name outside the cache, no value), so a tampered row is a counted miss. Nothing in blobdata can
+    unpickle (diskcache, the index's first layout, unpickles by default: CVE-2025-69872).
   * Every value carries a CRC32C (or zlib CRC32) checksum, kept in the index row (the file name),
     checked on every read; a mismatch, a short file or a missing file is a miss, the entry is
     deleted and counted as ``corrupt``, so the caller refetches.

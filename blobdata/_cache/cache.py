@@ -14,25 +14,24 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
-
-import diskcache
+from typing import NamedTuple
 
 from .. import _process
 from .._config import parse_duration, parse_size
 from .._errors import CacheError, ConfigError
+from .db import Index
 from .index import WAL_SLACK_BYTES, IndexOps, Policy
 from .packs import aligned, punch_supported
 from .values import (
     DB_NAME,
     HEADER,
     MIN_FILE_SIZE,
-    BytesDisk,
     Corrupt,
     Inline,
     Pending,
     Refused,
     Staged,
+    Values,
     checksum,
     chmod_private,
     key_of,
@@ -45,13 +44,14 @@ __all__ = ["BlobCache", "CacheStats"]
 _log = logging.getLogger("blobdata")
 
 _SQLITE_TIMEOUT = 15.0  # seconds a writer waits for the index lock before the put counts as failed
-_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS Blobdata (key TEXT PRIMARY KEY, value)",
-    "CREATE INDEX IF NOT EXISTS Blobdata_filename ON Cache (filename)",
-    # The name diskcache uses for its LRU index, so both agree if settings ever change.
-    "CREATE INDEX IF NOT EXISTS Cache_access_time ON Cache (access_time)",
-)
 _INSTANCES: weakref.WeakSet[BlobCache] = weakref.WeakSet()
+
+
+class Opened(NamedTuple):
+    """One process's handles on a cache directory: the SQLite index and the value store."""
+
+    db: Index
+    values: Values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ class BlobCache(IndexOps):
         self._grace = 600.0
         self._pause = 60.0
         self._lock = threading.RLock()
-        self._dc: Any = None
+        self._opened: Opened | None = None
         _INSTANCES.add(self)
         self._pid = -1
         self._counts = dict.fromkeys(
@@ -166,70 +166,57 @@ class BlobCache(IndexOps):
 
     # -- opening ------------------------------------------------------------------------------
 
-    def _connect(self) -> Any:
-        """This process's diskcache.Cache, opened on first use and again after fork."""
+    def _connect(self) -> Opened:
+        """This process's index and value store, opened on first use and again after fork."""
         pid = _process.pid()
-        dc = self._dc
-        if dc is not None and self._pid == pid:
-            return dc
+        opened = self._opened
+        if opened is not None and self._pid == pid:
+            return opened
         if self._pid != pid and self._pid != -1:
             # Inherited through fork. A lock held by a parent thread at fork time would never be
             # released here, and SQLite forbids using (or closing) a parent's connection.
             self._lock = threading.RLock()
-            if self._dc is not None:
-                _process.orphan(self._dc)
-            self._dc = None
+            if self._opened is not None:
+                _process.orphan(self._opened)
+            self._opened = None
             self._counts = dict.fromkeys(self._counts, 0)
         with self._lock:
-            if self._dc is None:
+            if self._opened is None:
                 if time.monotonic() < self._broken_until:  # do not retry a failed open on every call
                     raise CacheError(f"cache directory {self._directory} is unusable (retrying later)")
                 try:
-                    self._dc = self._open()
+                    self._opened = self._open()
                 except CacheError:
                     self._broken_until = time.monotonic() + self._pause
                     raise
                 self._pid = pid
-            return self._dc
+            return self._opened
 
-    def _open(self) -> Any:
+    def _open(self) -> Opened:
         directory = self._directory
         try:
             make_private_dir(directory)
-            db = os.path.join(directory, DB_NAME)
+            path = os.path.join(directory, DB_NAME)
             # O_EXCL: never open (and close) an existing index here. Closing any descriptor of a
             # file drops every POSIX lock this process holds on it, including those of another
             # open SQLite connection, and readers then see a corrupt image (SQLite howtocorrupt 2.2).
             with contextlib.suppress(FileExistsError):
-                os.close(os.open(db, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600))
-            for path in (db, db + "-wal", db + "-shm"):
-                chmod_private(path, 0o600)
-            dc = diskcache.Cache(
-                directory,
-                timeout=_SQLITE_TIMEOUT,
-                disk=BytesDisk,
-                eviction_policy="none",  # we admit and evict ourselves, inside one transaction
-                cull_limit=0,
-                size_limit=2**62,
-                statistics=0,  # diskcache's counters would make every get a write
-                tag_index=0,
-                disk_min_file_size=MIN_FILE_SIZE,
-                sqlite_journal_size_limit=WAL_SLACK_BYTES // 2,
-            )
-            with dc.transact():
-                for statement in _SCHEMA:
-                    dc._sql(statement)
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600))
+            for name in (path, path + "-wal", path + "-shm"):
+                chmod_private(name, 0o600)
+            db = Index(path, timeout=_SQLITE_TIMEOUT, journal_limit=WAL_SLACK_BYTES // 2)
+            opened = Opened(db, Values(directory))
             self._use_packs = punch_supported(directory)
-        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+        except (OSError, sqlite3.Error) as exc:
             raise CacheError(
                 f"cache directory {directory} cannot be used ({exc}); choose a writable local "
                 "directory for the cache, or run without a cache"
             ) from exc
         try:
-            self._sweep(dc, force=False)
-        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            self._sweep(db, opened.values, force=False)
+        except (OSError, sqlite3.Error) as exc:
             _log.debug("blobdata cache %s: orphan sweep skipped (%s)", directory, exc)
-        return dc
+        return opened
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -240,10 +227,9 @@ class BlobCache(IndexOps):
         A corrupt or tampered entry is deleted and counted in ``corrupt``.
         """
         try:
-            dc = self._connect()
-            row = dc._sql(
-                "SELECT rowid, mode, filename, value FROM Cache WHERE key = ? AND raw = 1",
-                (key_of(url, identity),),
+            db, values = self._connect()
+            row = db.sql(
+                "SELECT rowid, filename, inline FROM entries WHERE key = ?", (key_of(url, identity),)
             ).fetchone()
         except CacheError as exc:
             self._warn_once(exc)
@@ -256,13 +242,13 @@ class BlobCache(IndexOps):
         if row is None:
             self._bump("misses")
             return None
-        rowid, mode, filename, value = row
+        rowid, filename, inline = row
         try:
-            data: bytes = dc.disk.fetch(mode, filename, value, False)
+            data = values.fetch(filename, inline)
         except (Corrupt, Refused, FileNotFoundError) as exc:
             # A missing file is usually an eviction racing this read (row already gone); _drop
             # deletes only a row that is still there, i.e. a dangling or corrupt one.
-            if self._drop(dc, rowid, filename):
+            if self._drop(db, values, rowid, filename):
                 _log.debug("blobdata cache %s: dropped bad entry for %s (%r)", self._directory, url, exc)
                 self._bump("corrupt")
             self._bump("misses")
@@ -274,7 +260,7 @@ class BlobCache(IndexOps):
         if self._policy == "lru":
             # A lost access-time update (index busy) only makes eviction slightly less exact.
             with contextlib.suppress(sqlite3.Error):
-                dc._sql("UPDATE Cache SET access_time = ? WHERE rowid = ?", (time.time(), rowid))
+                db.sql("UPDATE entries SET access_time = ? WHERE rowid = ?", (time.time(), rowid))
         self._bump("hits")
         return data
 
@@ -282,12 +268,9 @@ class BlobCache(IndexOps):
         """Whether ``(url, identity)`` has an entry (no checksum read)."""
         url, identity = key
         try:
-            return (
-                self._connect()
-                ._sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key_of(url, identity),))
-                .fetchone()
-                is not None
-            )
+            db = self._connect().db
+            row = db.sql("SELECT 1 FROM entries WHERE key = ?", (key_of(url, identity),)).fetchone()
+            return row is not None
         except (CacheError, sqlite3.Error, OSError):
             return False
 
@@ -317,16 +300,17 @@ class BlobCache(IndexOps):
             self._bump("write_errors", len(items))
             return results
         pending: list[Pending] = []
-        dc: Any = None
+        opened: Opened | None = None
         try:
-            dc = self._connect()
-            sql = dc._sql
+            opened = self._connect()
+            db, values = opened
+            sql = db.sql
             page_bytes, size_sum = self._volume(sql)
             planned = 0
             for i, (url, identity, raw) in enumerate(items):
                 data = bytes(raw)
                 key = key_of(url, identity)
-                if sql("SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key,)).fetchone() is not None:
+                if sql("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None:
                     results[i] = True
                     self._bump("stored")
                     continue
@@ -346,48 +330,44 @@ class BlobCache(IndexOps):
                     kind, crc = checksum(data)
                     value: Staged | Inline = Inline(HEADER.pack(kind.encode(), crc) + data)
                 else:
-                    value = self._stage(dc, data)
+                    value = self._stage(values, data)
                 pending.append(Pending(i, key, url, value, need))
                 planned += need
-            outcome, removed = self._commit(dc, pending) if pending else ({}, [])
-        except (OSError, sqlite3.Error, diskcache.Timeout, CacheError) as exc:
-            if dc is not None:
-                _rollback_quietly(dc)
-                for p in pending:
-                    if isinstance(p.value, Staged):
-                        dc.disk.remove(p.value.filename)
+            outcome, removed = self._commit(db, pending) if pending else ({}, [])
+        except (OSError, sqlite3.Error, CacheError) as exc:
+            if opened is not None:
+                _unstage(opened.values, pending)
             self._write_failed(exc)
             return results
         except BaseException:
-            for p in pending:
-                if isinstance(p.value, Staged):
-                    dc.disk.remove(p.value.filename)
+            if opened is not None:
+                _unstage(opened.values, pending)
             raise
         stored = evicted = 0
         for p in pending:
             state = outcome.get(p.pos)
             if state is not True and isinstance(p.value, Staged):
-                dc.disk.remove(p.value.filename)  # rejected, or the same key stored by another process
+                values.remove(p.value.filename)  # rejected, or the same key stored by another process
             if state is False:
                 self._bump("rejected")
             else:
                 results[p.pos] = True
                 stored += 1
         for filename in removed:  # after COMMIT: a crash here leaves orphans, swept later
-            dc.disk.remove(filename)
+            values.remove(filename)
             evicted += 1
         if stored:
-            self._bound_wal(dc)
+            self._bound_wal(db)
             with self._lock:
                 self._counts["stored"] += stored
                 self._counts["evictions"] += evicted
         return results
 
-    def _stage(self, dc: Any, data: bytes) -> Staged:
+    def _stage(self, values: Values, data: bytes) -> Staged:
         """Append ``data`` to this process's pack, or (no hole punching) write it to a value file."""
         kind, crc = checksum(data)
         if self._use_packs:
-            return Staged(dc.disk.packs.append(data, kind, crc), aligned(len(data)))
+            return Staged(values.packs.append(data, kind, crc), aligned(len(data)))
         return write_value_file(self._directory, data, kind, crc)
 
     def _bump(self, name: str, n: int = 1) -> None:
@@ -417,9 +397,9 @@ class BlobCache(IndexOps):
     def _shared_state(self) -> tuple[int, int]:
         """(volume_bytes, entries) of the directory; zeros if the index cannot be read."""
         try:
-            sql = self._connect()._sql
+            sql = self._connect().db.sql
             page_bytes, size_sum = self._volume(sql)
-            ((count,),) = sql("SELECT value FROM Settings WHERE key = 'count'").fetchall()
+            ((count,),) = sql("SELECT value FROM meta WHERE key = 'count'").fetchall()
             return page_bytes + size_sum, int(count)
         except (CacheError, sqlite3.Error, OSError):
             return 0, 0
@@ -447,19 +427,30 @@ class BlobCache(IndexOps):
     def clear(self) -> None:
         """Remove every entry (for all processes) and sweep old orphans. Raises CacheError on failure."""
         try:
-            dc = self._connect()
-            dc.clear(retry=True)
-            self._sweep(dc, force=True)
-        except (OSError, sqlite3.Error, diskcache.Timeout) as exc:
+            db, values = self._connect()
+            while True:  # in batches: other processes keep reading and writing meanwhile
+                with db.transact():
+                    rows = db.sql("SELECT rowid, filename FROM entries LIMIT 1000").fetchall()
+                    db.connection().executemany(
+                        "DELETE FROM entries WHERE rowid = ?", [(rowid,) for rowid, _ in rows]
+                    )
+                for _, filename in rows:  # after COMMIT: a crash here leaves orphans, swept later
+                    if filename is not None:
+                        values.remove(filename)
+                if not rows:
+                    break
+            self._sweep(db, values, force=True)
+        except (OSError, sqlite3.Error) as exc:
             raise CacheError(f"cannot clear cache directory {self._directory} ({exc})") from exc
 
     def close(self) -> None:
         """Close this process's connection; a later call reopens it."""
         with self._lock:
-            if self._dc is not None and self._pid == _process.pid():
-                self._dc.disk.packs.close()
-                self._dc.close()
-                self._dc = None
+            if self._opened is not None and self._pid == _process.pid():
+                self._opened.values.packs.close()
+                self._opened.db.close()
+                self._opened = None
+
 
 def _close_before_fork() -> None:
     """Close the forking thread's SQLite connections before ``os.fork()``.
@@ -469,22 +460,16 @@ def _close_before_fork() -> None:
     """
     pid = _process.pid()
     for cache in list(_INSTANCES):
-        dc = cache._dc
-        if dc is not None and cache._pid == pid:
-            with contextlib.suppress(sqlite3.Error):
-                dc.close()
+        opened = cache._opened
+        if opened is not None and cache._pid == pid:
+            opened.db.close_thread()
 
 
 _process.at_fork(before=_close_before_fork)
 
 
-def _rollback_quietly(dc: Any) -> None:
-    """End a transaction a failed COMMIT left open, so later puts can begin new ones."""
-    try:
-        con = dc._con
-        if con.in_transaction:
-            con.execute("ROLLBACK")
-    except sqlite3.Error:
-        pass
-
-
+def _unstage(values: Values, pending: list[Pending]) -> None:
+    """Free the values staged for a batch whose index transaction failed or was interrupted."""
+    for p in pending:
+        if isinstance(p.value, Staged):
+            values.remove(p.value.filename)

@@ -13,12 +13,12 @@ import random
 import re
 import sqlite3
 import time
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Literal
 
-import diskcache
-
+from .db import Index
 from .packs import parse_slice
-from .values import NAME_RE, Pending, Staged, url_range
+from .values import NAME_RE, Pending, Staged, Values, url_range
 
 __all__ = ["SLACK_BYTES", "WAL_SLACK_BYTES", "IndexOps", "Policy"]
 
@@ -28,6 +28,7 @@ WAL_SLACK_BYTES = 4 * 1024 * 1024
 """The SQLite ``-wal`` and ``-shm`` files on top of ``volume_bytes`` (truncated once the WAL passes half)."""
 SWEEP_MAX_FILES = 20_000  # bound of one orphan sweep
 Policy = Literal["admit", "lru"]
+Sql = Callable[..., sqlite3.Cursor]
 
 _log = logging.getLogger("blobdata")
 
@@ -41,7 +42,7 @@ class IndexOps:
     _policy: Policy
     _grace: float
 
-    def _commit(self, dc: Any, pending: list[Pending]) -> tuple[dict[int, bool | None], list[str]]:
+    def _commit(self, db: Index, pending: list[Pending]) -> tuple[dict[int, bool | None], list[str]]:
         """Check room and insert each pending value in one BEGIN IMMEDIATE transaction.
 
         Returns ({index: stored}, files to delete). stored is None when the key was already present
@@ -49,21 +50,21 @@ class IndexOps:
         """
         removed: list[str | None] = []
         outcome: dict[int, bool | None] = {}
-        with dc.transact():
-            sql = dc._sql
+        with db.transact():
+            sql = db.sql
             ((page_size,),) = sql("PRAGMA page_size").fetchall()
             for p in pending:
                 # One range scan finds both this key (already stored by another process) and the
                 # stale entries of other identities of the same URL.
                 same_url = sql(
-                    "SELECT key FROM Cache WHERE key >= ? AND key < ? AND raw = 1", url_range(p.url)
+                    "SELECT key FROM entries WHERE key >= ? AND key < ?", url_range(p.url)
                 ).fetchall()
                 if (p.key,) in same_url:
                     outcome[p.pos] = None
                     continue
                 if not same_url:  # the common case: nothing to delete, so no savepoint needed
                     ((pages,),) = sql("PRAGMA page_count").fetchall()
-                    ((size_sum,),) = sql("SELECT value FROM Settings WHERE key = 'size'").fetchall()
+                    ((size_sum,),) = sql("SELECT value FROM meta WHERE key = 'size'").fetchall()
                     if int(pages) * int(page_size) + int(size_sum) + p.need <= self._size_limit:
                         self._insert(sql, p)
                         outcome[p.pos] = True
@@ -83,20 +84,20 @@ class IndexOps:
         return outcome, [name for name in removed if name]
 
     @staticmethod
-    def _insert(sql: Any, p: Pending) -> None:
-        """Insert the row of ``p`` (diskcache's columns; its triggers update count and size)."""
+    def _insert(sql: Sql, p: Pending) -> None:
+        """Insert the row of ``p`` (the index's triggers update the running count and size)."""
         if isinstance(p.value, Staged):
-            size, mode, filename, blob = p.value.size, diskcache.core.MODE_BINARY, p.value.filename, None
+            size, filename, blob = p.value.size, p.value.filename, None
         else:
-            size, mode, filename, blob = 0, diskcache.core.MODE_RAW, None, sqlite3.Binary(p.value.blob)
+            size, filename, blob = 0, None, sqlite3.Binary(p.value.blob)
         now = time.time()
         sql(
-            "INSERT INTO Cache (key, raw, store_time, expire_time, access_time, access_count, tag,"
-            " size, mode, filename, value) VALUES (?, 1, ?, NULL, ?, 0, NULL, ?, ?, ?, ?)",
-            (p.key, now, now, size, mode, filename, blob),
+            "INSERT INTO entries (key, filename, inline, size, store_time, access_time)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            (p.key, filename, blob, size, now, now),
         )
 
-    def _make_room(self, sql: Any, p: Pending) -> list[str | None] | None:
+    def _make_room(self, sql: Sql, p: Pending) -> list[str | None] | None:
         """Delete the stale entries of ``p.url`` and, under LRU, evict until ``p`` fits.
 
         Returns the value files of the deleted rows, or None if ``p`` does not fit (the caller then
@@ -104,12 +105,12 @@ class IndexOps:
         """
         # Entries for other identities of this URL are stale: the object changed.
         stale = sql(
-            "SELECT rowid, filename FROM Cache WHERE key >= ? AND key < ? AND raw = 1",
+            "SELECT rowid, filename FROM entries WHERE key >= ? AND key < ?",
             url_range(p.url),
         ).fetchall()
         removed: list[str | None] = []
         for rowid, filename in stale:
-            sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+            sql("DELETE FROM entries WHERE rowid = ?", (rowid,))
             removed.append(filename)
         page_bytes, size_sum = self._volume(sql)
         excess = page_bytes + size_sum + p.need - self._size_limit
@@ -120,7 +121,7 @@ class IndexOps:
         evicted = self._evict(sql, excess)
         return None if evicted is None else removed + evicted
 
-    def _evict(self, sql: Any, excess: int) -> list[str | None] | None:
+    def _evict(self, sql: Sql, excess: int) -> list[str | None] | None:
         """Delete least-recently-used rows until ``excess`` bytes are freed (inside a transaction).
 
         None if the index holds too little to free (only when the index alone exceeds the limit).
@@ -128,13 +129,13 @@ class IndexOps:
         removed: list[str | None] = []
         while excess > 0:
             rows = sql(
-                "SELECT rowid, filename, size + COALESCE(length(value), 0) FROM Cache"
+                "SELECT rowid, filename, size + COALESCE(length(inline), 0) FROM entries"
                 " ORDER BY access_time LIMIT 32"
             ).fetchall()
             if not rows:
                 return None
             for rowid, filename, nbytes in rows:
-                sql("DELETE FROM Cache WHERE rowid = ?", (rowid,))
+                sql("DELETE FROM entries WHERE rowid = ?", (rowid,))
                 removed.append(filename)
                 excess -= nbytes
                 if excess <= 0:
@@ -143,7 +144,7 @@ class IndexOps:
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
-    def _bound_wal(self, dc: Any) -> None:
+    def _bound_wal(self, db: Index) -> None:
         """Checkpoint and truncate the WAL once it passes half of ``WAL_SLACK_BYTES``.
 
         SQLite's automatic checkpoints cannot restart the WAL while readers overlap without a
@@ -152,61 +153,60 @@ class IndexOps:
         """
         try:
             if os.stat(self._wal_path).st_size > WAL_SLACK_BYTES // 2:
-                dc._sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+                db.sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         except (OSError, sqlite3.Error) as exc:
             _log.debug("blobdata cache %s: WAL checkpoint skipped (%s)", self._directory, exc)
 
     @staticmethod
-    def _stale_bytes(sql: Any, url: str) -> int:
+    def _stale_bytes(sql: Sql, url: str) -> int:
         """Bytes held by entries of ``url`` (other identities would be replaced by a put)."""
         ((nbytes,),) = sql(
-            "SELECT COALESCE(SUM(size + COALESCE(length(value), 0)), 0) FROM Cache"
-            " WHERE key >= ? AND key < ? AND raw = 1",
+            "SELECT COALESCE(SUM(size + COALESCE(length(inline), 0)), 0) FROM entries"
+            " WHERE key >= ? AND key < ?",
             url_range(url),
         ).fetchall()
         return int(nbytes)
 
     @staticmethod
-    def _volume(sql: Any) -> tuple[int, int]:
+    def _volume(sql: Sql) -> tuple[int, int]:
         """(bytes of index pages, bytes of value files) as the index records them."""
         ((pages,),) = sql("PRAGMA page_count").fetchall()
         ((page_size,),) = sql("PRAGMA page_size").fetchall()
-        ((size_sum,),) = sql("SELECT value FROM Settings WHERE key = 'size'").fetchall()
+        ((size_sum,),) = sql("SELECT value FROM meta WHERE key = 'size'").fetchall()
         return int(pages) * int(page_size), int(size_sum)
 
-    def _drop(self, dc: Any, rowid: int, filename: str | None) -> bool:
+    def _drop(self, db: Index, values: Values, rowid: int, filename: str | None) -> bool:
         """Delete the row if it still points at ``filename``; True if it did."""
         try:
-            with dc.transact():
-                cursor = dc._sql("DELETE FROM Cache WHERE rowid = ? AND filename IS ?", (rowid, filename))
+            with db.transact():
+                cursor = db.sql("DELETE FROM entries WHERE rowid = ? AND filename IS ?", (rowid, filename))
                 deleted = bool(cursor.rowcount > 0)
-        except (sqlite3.Error, diskcache.Timeout):
+        except sqlite3.Error:
             return False
         if deleted:
-            dc.disk.remove(filename)
+            values.remove(filename)
         return deleted
 
-
-    def _sweep(self, dc: Any, *, force: bool) -> None:
+    def _sweep(self, db: Index, values: Values, *, force: bool) -> None:
         """Delete temp files and row-less value files older than the grace period (bounded scan).
 
         One process per directory sweeps per grace period (a timestamp in the index decides).
         """
         now = time.time()
-        sql = dc._sql
-        with dc.transact():
-            row = sql("SELECT value FROM Blobdata WHERE key = 'last_sweep'").fetchone()
+        sql = db.sql
+        with db.transact():
+            row = sql("SELECT value FROM meta WHERE key = 'last_sweep'").fetchone()
             if not force and row is not None and now - float(row[0]) < self._grace:
                 return
-            sql("INSERT OR REPLACE INTO Blobdata (key, value) VALUES ('last_sweep', ?)", (now,))
+            sql("INSERT OR REPLACE INTO meta (key, value) VALUES ('last_sweep', ?)", (now,))
 
         def live(pack: str) -> list[tuple[int, int]]:
             rows = sql(
-                "SELECT filename FROM Cache WHERE filename >= ? AND filename < ?", (pack + "@", pack + "A")
+                "SELECT filename FROM entries WHERE filename >= ? AND filename < ?", (pack + "@", pack + "A")
             )
             return [(w[1], w[2]) for (name,) in rows if (w := parse_slice(name)) is not None and w[0] == pack]
 
-        dc.disk.packs.sweep(live, grace=self._grace, now=now)
+        values.packs.sweep(live, grace=self._grace, now=now)
         try:
             subdirs = sorted(
                 e.name
@@ -231,7 +231,7 @@ class IndexOps:
                         orphan = NAME_RE.fullmatch(name[:-4]) is not None
                     else:  # a value file whose row was never inserted or already deleted
                         orphan = NAME_RE.fullmatch(name) is not None and (
-                            sql("SELECT 1 FROM Cache WHERE filename = ?", (name,)).fetchone() is None
+                            sql("SELECT 1 FROM entries WHERE filename = ?", (name,)).fetchone() is None
                         )
                     if orphan:
                         os.unlink(entry.path)
@@ -240,5 +240,3 @@ class IndexOps:
             budget -= len(entries)
             if budget <= 0:
                 break
-
-

@@ -1,9 +1,8 @@
 """How one value is kept: bytes only, checksummed, in a pack slice, a value file or inline in its row.
 
-:class:`BytesDisk` is the diskcache serialisation this cache uses: it knows bytes only, never
-pickles, and refuses any row it did not write (a tampered row is a counted miss, never unpickled:
-diskcache <= 5.6.3 unpickles by default, CVE-2025-69872). Every value carries a CRC32C (or zlib
-CRC32) checksum, verified on every read.
+:class:`Values` reads what an index row names: bytes only, never anything else (nothing is ever
+unpickled: the index stores no objects), and it refuses any row it did not write, so a tampered row
+is a counted miss. Every value carries a CRC32C (or zlib CRC32) checksum, verified on every read.
 """
 
 from __future__ import annotations
@@ -13,13 +12,10 @@ import dataclasses
 import os
 import re
 import secrets
-import sqlite3
 import stat
 import struct
 import zlib
 from typing import Any, NamedTuple
-
-import diskcache
 
 from .packs import PACK_DIR, PackStore, parse_slice
 
@@ -83,37 +79,22 @@ def verify(data: bytes, kind: str, expected: int) -> bool:
     return int(google_crc32c.value(data)) == expected
 
 
-class BytesDisk(diskcache.Disk):  # type: ignore[misc]
-    """diskcache serialisation that knows bytes only and never pickles.
+class Values:
+    """Reads and removes the values the index rows name: bytes only, checksummed, never a path outside.
 
-    Keys must be ``str``; values are ``Staged`` files or ``Inline`` blobs. Reading refuses any
-    row whose mode is not MODE_RAW/MODE_BINARY, any non-str key, and any file name that is not
-    one this cache writes (no path leaves the directory), raising :class:`_Refused`.
+    A row names a pack slice or a value file (``filename``), or holds the value inline with its
+    checksum header. :meth:`fetch` refuses any file name this cache does not write (raising
+    :class:`Refused`) and any value that fails its length or checksum (:class:`Corrupt`).
     """
 
-    def __init__(self, directory: str, **kwargs: Any) -> None:
-        super().__init__(directory, **kwargs)
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
         self.packs = PackStore(directory)
 
-    def put(self, key: object) -> tuple[str, bool]:
-        if type(key) is not str:
-            raise TypeError(f"blobdata cache keys are str, got {type(key).__name__}")
-        return key, True
-
-    def get(self, key: object, raw: bool) -> str:
-        if not raw or type(key) is not str:
-            raise Refused("non-str key in the cache index")
-        return key
-
-    def store(self, value: object, read: bool, key: object = None) -> tuple[int, int, str | None, Any]:
-        if isinstance(value, Staged):
-            return value.size, diskcache.core.MODE_BINARY, value.filename, None
-        if isinstance(value, Inline):
-            return 0, diskcache.core.MODE_RAW, None, sqlite3.Binary(value.blob)
-        raise TypeError(f"blobdata cache stores bytes only, got {type(value).__name__}")
-
-    def fetch(self, mode: int, filename: object, value: object, read: bool) -> bytes:
-        if mode == diskcache.core.MODE_BINARY and type(filename) is str:
+    def fetch(self, filename: object, inline: object) -> bytes:
+        if filename is not None:
+            if type(filename) is not str:
+                raise Refused(f"unexpected value file name {filename!r}")
             where = parse_slice(filename)
             if where is not None:
                 pack, offset, length, kind, crc = where
@@ -125,26 +106,26 @@ class BytesDisk(diskcache.Disk):  # type: ignore[misc]
             if match is None:
                 raise Refused(f"unexpected value file name {filename!r}")
             size = int(match.group(2), 16)
-            data = read_file(os.path.join(self._directory, filename), size)
+            data = read_file(os.path.join(self.directory, filename), size)
             if len(data) != size or not verify(data, match.group(3), int(match.group(4), 16)):
                 raise Corrupt(filename)
             return data
-        if mode == diskcache.core.MODE_RAW and type(value) is bytes and len(value) >= HEADER.size:
-            kind, expected = HEADER.unpack_from(value)
-            data = value[HEADER.size :]
+        if type(inline) is bytes and len(inline) >= HEADER.size:
+            kind, expected = HEADER.unpack_from(inline)
+            data = inline[HEADER.size :]
             if kind not in (b"c", b"z") or not verify(data, kind.decode(), expected):
                 raise Corrupt("inline value")
             return data
-        raise Refused(f"cache row with mode {mode!r} refused (only raw/binary bytes are read)")
+        raise Refused(f"cache row without a value file or an inline value ({type(inline).__name__})")
 
-    def remove(self, file_path: object) -> None:
-        # Only names this cache writes: a tampered row must not delete files elsewhere.
-        where = parse_slice(file_path) if type(file_path) is str else None
+    def remove(self, filename: object) -> None:
+        """Free ``filename``'s value; only names this cache writes (a tampered row deletes nothing)."""
+        where = parse_slice(filename) if type(filename) is str else None
         if where is not None:
             self.packs.release(where[0], where[1], where[2])
-        elif type(file_path) is str and NAME_RE.fullmatch(file_path):
+        elif type(filename) is str and NAME_RE.fullmatch(filename):
             with contextlib.suppress(OSError):  # already removed by another process
-                os.unlink(os.path.join(self._directory, file_path))
+                os.unlink(os.path.join(self.directory, filename))
 
 
 def read_file(path: str, size: int) -> bytes:
@@ -175,8 +156,6 @@ def key_of(url: str, identity: str) -> str:
 def url_range(url: str) -> tuple[str, str]:
     prefix = f"{len(url)}:{url}\n"
     return prefix, prefix + "\U0010ffff"
-
-
 
 
 def make_private_dir(path: str) -> None:
@@ -212,8 +191,6 @@ def chmod_private(path: str, mode: int) -> None:
         return
     if stat.S_IMODE(st.st_mode) & 0o077 and st.st_uid == os.geteuid():
         os.chmod(path, mode)
-
-
 
 
 def write_value_file(directory: str, data: bytes, kind: str, crc: int) -> Staged:
