@@ -130,11 +130,15 @@ class _Process:
         )
         # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
         self.cache: BlobCache | None = ds.cache
-        self.writer = CacheWriter(self.cache) if self.cache is not None else None
+        self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
         self.lookahead: LookAhead | None = None
         # Connections belong to this process's loop: close them there when this state goes away
         # (the engine closes them itself at interpreter exit).
         weakref.finalize(self, _close_engine, self.engine, self.pid)
+
+
+def _count_stored(n: int) -> None:
+    _stats.rec()[_stats.CACHE_STORED] += n
 
 
 def _close_engine(engine: FetchEngine, pid: int) -> None:
@@ -380,8 +384,9 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                 return data
         data, _ = await proc.engine.fetch(url, size=m.size(i), identity=identity)
         v[_stats.FROM_BUCKET] += 1
-        if proc.writer is not None:
-            proc.writer.offer(url, identity, data)  # never waits: written in batches off this path
+        # offer() never waits: written in batches off this path, or dropped (and counted) when behind.
+        if proc.writer is not None and not proc.writer.offer(url, identity, data):
+            v[_stats.CACHE_DROPPED] += 1
         return data
 
     def _lookahead(self, proc: _Process) -> LookAhead | None:

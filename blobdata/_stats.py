@@ -44,13 +44,13 @@ _MAGIC = 6.02214e23 + 14.0  # slot 0: marks a blobdata stats record
 (
     SERVED, FROM_CACHE, FROM_BUCKET, STAGED, ERRORS, BATCHES, BYTES_BUCKET, BYTES_CACHE, GETS, GET_S,
     R_THROTTLE, R_SERVER, R_TIMEOUT, R_CONNECTION, R_SHORT_READ, R_OTHER,
-    FETCH_WAIT_S, CACHE_S, DECODE_S, TRANSFORM_S, COLLATE_S,
-) = range(2, 23)  # fmt: skip
+    FETCH_WAIT_S, CACHE_S, DECODE_S, TRANSFORM_S, COLLATE_S, CACHE_STORED, CACHE_DROPPED,
+) = range(2, 25)  # fmt: skip
 _RETRY_SLOT = {
     "throttle": R_THROTTLE, "server": R_SERVER, "timeout": R_TIMEOUT, "connection": R_CONNECTION,
     "short_read": R_SHORT_READ,
 }  # fmt: skip
-_HIST0 = 23
+_HIST0 = 25
 #: GET latency histogram: 4 buckets per octave from 10 us; the last bucket holds everything above ~170 s.
 _BUCKETS = 96
 _BASE_S = 1e-5
@@ -219,7 +219,11 @@ class LoaderStats:
     (worker start-up included), out of ``elapsed_s`` spent iterating. ``samples_from_cache +
     samples_from_bucket`` is the samples whose bytes were read (equal to ``samples`` after whole epochs
     with no bad sample); ``samples_staged`` of them had been fetched ahead. ``hit_rate`` is the cache's
-    share of those reads. GET latencies (seconds) come from a histogram with 19% wide buckets.
+    share of those reads. ``cache_writes`` is the objects the loader's processes put in the cache;
+    ``cache_writes_dropped`` those they fetched but did not cache because the cache's background
+    writer had ``max_bytes`` queued already (the disk or the index was slower than the fetches; such
+    objects are fetched from the bucket again next epoch). GET latencies (seconds) come from a
+    histogram with 19% wide buckets.
     :meth:`as_dict` gives the flat ``{name: number}`` that TensorBoard, Lightning or Prometheus take.
     """
 
@@ -242,6 +246,8 @@ class LoaderStats:
     retries_timeout: int = 0
     retries_connection: int = 0
     retries_short_read: int = 0
+    cache_writes: int = 0
+    cache_writes_dropped: int = 0
     fetch_wait_s_per_sample: float = 0.0
     cache_s_per_sample: float = 0.0
     decode_s_per_sample: float = 0.0
@@ -284,6 +290,8 @@ class LoaderStats:
             retries_timeout=retries[2],
             retries_connection=retries[3],
             retries_short_read=retries[4],
+            cache_writes=int(t[CACHE_STORED]),
+            cache_writes_dropped=int(t[CACHE_DROPPED]),
             fetch_wait_s_per_sample=float(t[FETCH_WAIT_S]) * per,
             cache_s_per_sample=float(t[CACHE_S]) * per,
             decode_s_per_sample=float(t[DECODE_S]) * per,
@@ -301,6 +309,14 @@ class LoaderStats:
         """Every field as ``{name: number}`` (flat; for ``SummaryWriter.add_scalar``, ``log_dict``...)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
+    def _dropped(self) -> str:
+        if not self.cache_writes_dropped:
+            return ""
+        return (
+            f", {self.cache_writes_dropped} objects not cached (the cache writer fell behind the "
+            "fetches; they are fetched again next epoch)"
+        )
+
     def summary(self) -> str:
         """One line: images/s, hit rate, bucket MB/s, p99 GET, waits, and the verdict."""
         kind, why = verdict(self)
@@ -308,7 +324,7 @@ class LoaderStats:
             f"{self.samples} samples in {self.elapsed_s:.1f}s ({self.samples_per_s:.0f} img/s), "
             f"hit rate {self.hit_rate:.0%}, bucket {self.bucket_bytes_per_s / 1e6:.1f} MB/s, "
             f"GET p50 {self.get_p50_s * 1e3:.0f} ms p99 {self.get_p99_s * 1e3:.0f} ms, "
-            f"{self.retries} retries, {self.errors_skipped} skipped; the loop waited "
+            f"{self.retries} retries, {self.errors_skipped} skipped{self._dropped()}; the loop waited "
             f"{self.loop_wait_s:.1f}s ({self.wait_fraction:.0%}): {kind}: {why}"
         )
 

@@ -71,8 +71,34 @@ def test_stats_add_up(
     assert both.samples_from_cache == 30 and both.hit_rate == pytest.approx(0.5)
     assert both.bytes_from_cache == first.bytes_from_bucket
     assert both.gets == first.gets  # nothing more from the bucket
+    assert both.cache_writes == 30 and both.cache_writes_dropped == 0  # written once, by the first epoch
     d = both.as_dict()
     assert d["samples"] == 60 and all(isinstance(v, int | float) for v in d.values())
+
+
+def test_objects_the_cache_writer_could_not_take_are_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import functools
+
+    import blobdata._dataset
+
+    # A writer with room for one queued object and a long linger: a batch of 8 offers leaves 7 dropped.
+    writer = functools.partial(blobdata._dataset.CacheWriter, max_bytes=1, linger=30.0)
+    monkeypatch.setattr(blobdata._dataset, "CacheWriter", writer)
+    for i in range(16):
+        (tmp_path / "d" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "d" / f"c{i % 2}" / f"{i:03d}.png").write_bytes(_obj(i))
+    ds = FolderDataset(tmp_path / "d", loader=_sum_loader, cache=tmp_path / "cache", lookahead=0)
+    loader = ds.dataloader(batch_size=8, num_workers=0)
+    with caplog.at_level(logging.INFO, logger="blobdata"):
+        assert _run(loader) == 16
+    ds.close()  # flushes the writer
+    s = loader.stats()
+    assert s.cache_writes_dropped > 0 and s.cache_writes >= 1
+    assert s.cache_writes + s.cache_writes_dropped == 16 == s.samples_from_bucket
+    assert _cached(tmp_path / "cache") == s.cache_writes
+    assert any("not cached (the cache writer fell behind" in r.getMessage() for r in caplog.records)
 
 
 def _cached(directory: Path) -> int:

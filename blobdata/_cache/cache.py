@@ -201,7 +201,9 @@ class BlobCache(IndexOps):
             # file drops every POSIX lock this process holds on it, including those of another
             # open SQLite connection, and readers then see a corrupt image (SQLite howtocorrupt 2.2).
             with contextlib.suppress(FileExistsError):
-                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600))
+                os.close(
+                    os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+                )
             for name in (path, path + "-wal", path + "-shm"):
                 chmod_private(name, 0o600)
             db = Index(path, timeout=_SQLITE_TIMEOUT, journal_limit=WAL_SLACK_BYTES // 2)
