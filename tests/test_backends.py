@@ -326,20 +326,9 @@ def _data_gets(proxy: LatencyProxy) -> int:
 
 
 @pytest.mark.parametrize("mode", ["status503", "status500", "reset", "close"])
-def test_transient_failures_are_retried(
-    any_bucket: TestBucket, mode: FaultMode, request: pytest.FixtureRequest
-) -> None:
+def test_transient_failures_are_retried(any_bucket: TestBucket, mode: FaultMode) -> None:
     """Two failed GETs, then the bytes; a failed part of a ranged read is retried on its own. Each
     failure costs one attempt of the engine's budget: no client library retries behind its back."""
-    if any_bucket.scheme == "az" and mode in ("reset", "close"):
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="the Azure SDK's aiohttp transport retries a request once when a pooled connection "
-                "fails (aiohttp's retry_persistent_connection), on top of the engine's budget; the GCS "
-                "reader turns that off (_stores/http.py lean_session), AzureReader does not yet",
-            )
-        )
     data = os.urandom(200 * 1024 + 5)
     any_bucket.put("r/cls/a.bin", data)
     with _proxied(any_bucket) as (proxy, engine, url):

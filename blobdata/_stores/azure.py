@@ -23,7 +23,7 @@ from typing import Any
 
 from .._errors import ConfigError, NotFound, ObjectChanged, translate
 from .base import ReadResult
-from .http import ProcessBound
+from .http import ProcessBound, lean_session
 from .options import resolve_storage_options
 
 __all__ = ["AzureReader", "identity"]
@@ -37,14 +37,23 @@ async def _close_client(client: Any) -> None:
 
 def _service_client(opts: Mapping[str, Any], concurrency: int) -> Any:
     """A new aio ``BlobServiceClient`` for ``opts`` (call inside the running loop)."""
+    from azure.core.pipeline.transport import AioHttpTransport
     from azure.storage.blob.aio import BlobServiceClient
 
-    kwargs: dict[str, Any] = {
-        "retry_total": 0,  # the engine retries; the SDK's own retries would stack with ours
+    timeouts: dict[str, Any] = {
         "connection_timeout": 20,
         "read_timeout": 60,
-        "max_single_get_size": 2**31,  # one GET per read: ranges are the engine's business
         "connection_data_block_size": 2**18,
+    }
+    kwargs: dict[str, Any] = {
+        "retry_total": 0,  # the engine retries; the SDK's own retries would stack with ours
+        "max_single_get_size": 2**31,  # one GET per read: ranges are the engine's business
+        # Our session: aiohttp's silent resend of a request whose pooled connection failed is off
+        # (one retry budget, the engine's), and the pool is sized to the engine's concurrency.
+        "transport": AioHttpTransport(
+            session=lean_session(concurrency, skip_headers=()), session_owner=True, **timeouts
+        ),
+        **timeouts,
     }
     if opts.get("connection_string"):
         return BlobServiceClient.from_connection_string(
