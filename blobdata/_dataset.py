@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import functools
 import logging
 import os
@@ -182,6 +183,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                       made on one rank only).
     """
 
+    _raw = False  # the device path's workers: samples are (bytes, url, target), see _raw_view
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -316,13 +319,16 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         out: list[Any] = []
         m = self._manifest
         decode_aware = hasattr(self.transform, "decode_and_apply")
+        raw = self._raw
         for i, data in zip(idx, datas, strict=True):
             url = m.url(i)
             try:
                 if isinstance(data, BaseException):
                     raise data
                 t = clock()
-                if decode_aware:  # the transform decodes only what it needs (blobdata.transforms)
+                if raw:  # the device path: the training process decodes whole batches (blobdata.gpu)
+                    sample = data
+                elif decode_aware:  # the transform decodes only what it needs (blobdata.transforms)
                     sample = decode_with(self.transform, data, url)
                     decoding += clock() - t
                 elif self.transform is not None:
@@ -344,7 +350,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                     raise
                 self._report(url, exc)
                 continue
-            out.append((sample, target))
+            out.append((sample, url, target) if raw else (sample, target))
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming
         v[_stats.SERVED] += len(out)
@@ -421,7 +427,13 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
 
     # -- loaders that know the order ---------------------------------------------------------------
     def dataloader(
-        self, batch_size: int | None = 1, shuffle: bool | None = None, **kwargs: Any
+        self,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        *,
+        device: str | torch.device | None = None,
+        gpu_transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+        **kwargs: Any,
     ) -> BlobLoader:
         """A ``torch.utils.data.DataLoader`` (a :class:`~blobdata.BlobLoader`) whose order blobdata sees,
         so that each process fetches ahead of the batches it will be given.
@@ -431,8 +443,31 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         ``sampler=DistributedSampler(ds)`` for DDP (each rank then fetches only its own indices) and
         call ``sampler.set_epoch(e)`` as usual; ``blobdata.ElasticDistributedSampler`` gives the same
         order and resumes at another world size. The loader has ``state_dict``/``load_state_dict``.
+
+        ``device="cuda"`` with ``gpu_transform=`` (e.g. ``blobdata.gpu.TrainTransform(224)``) is the GPU
+        path: workers only fetch bytes, and the training process decodes each batch on the GPU
+        (hardware JPEG decoder where there is one, Pillow for what it refuses) and applies
+        ``gpu_transform`` to it on a side CUDA stream, one batch ahead of the loop; batches are
+        ``(images, targets)`` on the device. The dataset must then have no ``transform`` or custom
+        ``loader`` (``target_transform`` still runs in the workers). ``device="cpu"`` runs the same path
+        on the CPU. Needs ``pip install 'blobdata[gpu]'`` for CUDA; see :mod:`blobdata.gpu`.
         """
-        return BlobLoader(self, batch_size, shuffle, **kwargs)
+        return BlobLoader(self, batch_size, shuffle, device=device, gpu_transform=gpu_transform, **kwargs)
+
+    def _raw_view(self) -> FolderDataset:
+        """This dataset returning ``(bytes, url, target)`` samples (the device path's workers)."""
+        if self.transform is not None:
+            raise ConfigError(
+                "with device=, the workers return bytes and gpu_transform= makes the batch: build the "
+                f"dataset without transform= (it has {self.transform!r})"
+            )
+        if self.loader is not default_loader:
+            raise ConfigError(
+                "with device=, images are decoded by blobdata.gpu: build the dataset without loader="
+            )
+        view = copy.copy(self)  # shares the listing, the cache and the skip list
+        view._raw = True
+        return view
 
     def _attach(self, channel: PlanChannel) -> None:
         """Read the plans of the loader that owns ``channel`` (the latest loader made, in this process)."""

@@ -21,6 +21,7 @@ from ._lookahead import PlanChannel, PlanningBatchSampler
 from ._resume import Progress, own_generator
 from ._skips import SkipLog
 from ._stats import LoaderStats, LoopClock, Records, TimedCollate, TimedIter
+from .gpu._pipeline import DevicePipeline, collate_raw
 
 __all__ = ["BlobLoader"]
 
@@ -53,7 +54,27 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        device: str | torch.device | None = None,
+        gpu_transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:
+        self.device_pipeline: DevicePipeline | None = None
+        if device is not None or gpu_transform is not None:
+            if device is None or gpu_transform is None:
+                raise ConfigError(
+                    "device= and gpu_transform= go together: the workers fetch bytes, and on the device "
+                    "each batch is decoded, then gpu_transform (e.g. blobdata.gpu.TrainTransform(224)) "
+                    "makes it one tensor"
+                )
+            if collate_fn is not None:
+                raise ConfigError("with device=, batches are made by gpu_transform: collate_fn= is not used")
+            raw_view = getattr(dataset, "_raw_view", None)
+            if raw_view is None:
+                raise ConfigError(f"device= needs a blobdata FolderDataset, got {type(dataset).__name__}")
+            self.device_pipeline = DevicePipeline(
+                gpu_transform, device, on_error=dataset.on_error, report=dataset._report
+            )
+            dataset = raw_view()
+            collate_fn = collate_raw
         attach = getattr(dataset, "_attach", None)
         if attach is None:
             raise ConfigError(f"BlobLoader reads a blobdata FolderDataset, got {type(dataset).__name__}")
@@ -116,8 +137,16 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         waits for batches count in :meth:`stats`, and each epoch's end logs a summary on the
         ``blobdata`` logger (INFO)."""
         dataloader_iter = super().__iter__
+        pipeline = self.device_pipeline
+        if pipeline is None:
+            plain = lambda: self._collect_skips(self.progress.track(dataloader_iter()))  # noqa: E731
+            return TimedIter(plain, self._clock, self._records)
+        # Counted as the loop receives them (the pipeline works ahead); a batch whose every sample
+        # was skipped counts but is not yielded, so that the sampler's position stays exact.
         return TimedIter(
-            lambda: self._collect_skips(self.progress.track(dataloader_iter())), self._clock, self._records
+            lambda: _present(self._collect_skips(self.progress.track(pipeline(dataloader_iter())))),
+            self._clock,
+            self._records,
         )
 
     def _collect_skips(self, batches: Iterator[Any]) -> Iterator[Any]:
@@ -153,6 +182,10 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         already yielded (which are not fetched again). At another world size the sampler must be an
         :class:`~blobdata.ElasticDistributedSampler`."""
         self.progress.load_state_dict(state)
+
+
+def _present(batches: Iterator[Any]) -> Iterator[Any]:
+    return (batch for batch in batches if batch is not None)
 
 
 class _WorkerInit:

@@ -13,12 +13,13 @@ installed (``pip install blobdata[gpu]``), with a per-sample Pillow fallback for
 refuses (PNG, CMYK, grayscale JPEGs); corrupt bytes raise :class:`~blobdata.DecodeError` naming the
 object URL. On ``device="cpu"`` it decodes with Pillow, so the whole path runs without a GPU.
 
-Not here yet: the loader option that runs this on a side CUDA stream, overlapping batch k+1's decode
-with training on batch k (``ds.dataloader(..., device="cuda", gpu_transform=...)``).
+``ds.dataloader(..., device="cuda", gpu_transform=TrainTransform(224))`` runs both in the training
+process on a side CUDA stream, batch k+1 while the model trains on batch k (:mod:`._pipeline`).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -28,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from .._decode import default_loader
-from .._errors import ConfigError
+from .._decode import decode, default_loader
+from .._errors import BlobdataError, ConfigError
 from ..transforms import RandomResizedCrop
 
-__all__ = ["TrainTransform", "decode_batch"]
+__all__ = ["TrainTransform", "check_device", "decode_batch", "decode_each"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -112,14 +113,13 @@ class TrainTransform:
 
 
 def _cpu_decode(data: bytes, url: str) -> torch.Tensor:
-    from .._decode import decode
-
     img = decode(data, url, default_loader)  # DecodeError naming the URL for corrupt bytes
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)
 
 
+@functools.cache
 def _gpu_decoder() -> Any:
-    """The batched GPU JPEG decoder available here, or None."""
+    """The batched GPU JPEG decoder available here, or None (made once per process)."""
     try:
         from nvidia import nvimgcodec  # type: ignore[import-not-found]
 
@@ -127,7 +127,8 @@ def _gpu_decoder() -> Any:
 
         def nv(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = []
-            for img in decoder.decode(datas):
+            stream = torch.cuda.current_stream(device).cuda_stream  # the caller's (side) stream
+            for img in decoder.decode(datas, cuda_stream=stream):
                 out.append(None if img is None else torch.as_tensor(img, device=device).permute(2, 0, 1))
             return out
 
@@ -164,25 +165,57 @@ def decode_batch(
     :class:`~blobdata.ConfigError` when no GPU decoder is installed (``pip install blobdata[gpu]``) or
     CUDA is unavailable, and :class:`~blobdata.DecodeError` naming the URL for bytes nobody can decode.
     """
+    out: list[torch.Tensor] = []
+    for item in decode_each(datas, urls, device=device):
+        if isinstance(item, BlobdataError):
+            raise item
+        out.append(item)
+    return out
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``, after checking it can decode (ConfigError saying what is missing)."""
     dev = torch.device(device)
     if dev.type == "cpu":
-        return [_cpu_decode(d, u) for d, u in zip(datas, urls, strict=True)]
-    if dev.type == "cuda" and not torch.cuda.is_available():
+        return dev
+    if dev.type != "cuda":
+        raise ConfigError(f"GPU decoding runs on 'cuda' or 'cpu' devices, got {str(dev)!r}")
+    if not torch.cuda.is_available():
         raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
-    decoder = _gpu_decoder()
-    if decoder is None:
+    if _gpu_decoder() is None:
         raise ConfigError(
             "GPU decoding needs nvImageCodec or torchvision: pip install 'blobdata[gpu]' "
             "(nvidia-nvimgcodec-cu13 and torchvision), or decode on the CPU"
         )
+    return dev
+
+
+def decode_each(
+    datas: Sequence[bytes], urls: Sequence[str], *, device: str | torch.device = "cuda"
+) -> list[torch.Tensor | BlobdataError]:
+    """:func:`decode_batch` that returns, in place of each sample nobody can decode, its error."""
+    dev = check_device(device)
+    if dev.type == "cpu":
+        return [_cpu_decode_or_error(d, u) for d, u in zip(datas, urls, strict=True)]
+    decoder = _gpu_decoder()
     jpeg = [d[:2] == b"\xff\xd8" and not _is_cmyk_or_gray(d) for d in datas]
     gpu_in = [d for d, j in zip(datas, jpeg, strict=True) if j]
     decoded = iter(decoder(gpu_in, dev) if gpu_in else [])
-    out: list[torch.Tensor] = []
+    out: list[torch.Tensor | BlobdataError] = []
     for d, u, j in zip(datas, urls, jpeg, strict=True):
         t = next(decoded) if j else None
-        out.append(t if t is not None else _cpu_decode(d, u).to(dev, non_blocking=True))
+        if t is None:  # not a JPEG the GPU takes (PNG, CMYK, grayscale) or refused by it
+            cpu = _cpu_decode_or_error(d, u)
+            t = cpu if isinstance(cpu, BlobdataError) else cpu.to(dev, non_blocking=True)
+        out.append(t)
     return out
+
+
+def _cpu_decode_or_error(data: bytes, url: str) -> torch.Tensor | BlobdataError:
+    try:
+        return _cpu_decode(data, url)
+    except BlobdataError as exc:
+        return exc
 
 
 def _is_cmyk_or_gray(data: bytes) -> bool:

@@ -1,0 +1,178 @@
+"""The loader's device path: workers fetch bytes, the training process decodes whole batches on the device.
+
+``ds.dataloader(..., device="cuda", gpu_transform=gpu.TrainTransform(224))`` makes the DataLoader
+workers return each batch as a :class:`RawBatch` (every sample's bytes end to end in one uint8
+tensor, which crosses to the training process through shared memory, plus offsets, URLs and
+targets). A :class:`DevicePipeline` in the training process turns raw batches into training batches:
+:func:`~blobdata.gpu.decode_each` (the GPU's JPEG decoder, Pillow for what it refuses), then the
+``gpu_transform`` on the decoded images, in a background thread on a side CUDA stream, at most
+``depth`` batches ahead. So batch k+1 is decoded while the model trains on batch k.
+
+Stream hand-off: the side stream records an event after a batch's last kernel; the consumer's current
+stream waits for that event (a device-side wait, no host sync) and the batch's tensors are marked as
+used on it (``record_stream``), so the caching allocator never reuses their memory early. On
+``device="cpu"`` the same thread runs without streams, which is how CI tests the whole path.
+
+A sample no one can decode raises its :class:`~blobdata.DecodeError` (naming the URL) in the training
+loop, or, under ``on_error="skip"``, is dropped from its batch and reported like any skipped sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from .. import _stats
+from .._errors import BlobdataError
+from . import check_device, decode_each
+
+__all__ = ["RawBatch", "DevicePipeline", "collate_raw"]
+
+_END = object()
+
+
+class RawBatch(NamedTuple):
+    """A batch as fetched: ``data[offsets[k]:offsets[k + 1]]`` is sample k's bytes."""
+
+    data: torch.Tensor
+    offsets: torch.Tensor
+    urls: list[str]
+    targets: Any
+
+    def samples(self) -> list[bytes]:
+        buf = self.data.numpy()
+        return [buf[a:b].tobytes() for a, b in itertools.pairwise(self.offsets.tolist())]
+
+
+def collate_raw(samples: Sequence[tuple[bytes, str, Any]]) -> RawBatch:
+    """The workers' collate function on the device path: bytes joined into one tensor, targets collated."""
+    bounds = [0, *itertools.accumulate(len(data) for data, _, _ in samples)]
+    data = torch.empty(bounds[-1], dtype=torch.uint8)
+    buf = data.numpy()
+    for (sample, _, _), a, b in zip(samples, bounds, bounds[1:], strict=False):  # one copy per sample
+        buf[a:b] = np.frombuffer(sample, dtype=np.uint8)
+    offsets = torch.tensor(bounds, dtype=torch.int64)
+    targets = torch.utils.data.default_collate([t for _, _, t in samples]) if samples else torch.empty(0)
+    return RawBatch(data, offsets, [url for _, url, _ in samples], targets)
+
+
+class DevicePipeline:
+    """Decodes and transforms raw batches on ``device`` in a background thread, ``depth`` batches ahead.
+
+    ``report(url, exc)`` is called for a sample dropped under ``on_error="skip"``; with
+    ``on_error="raise"`` the error reaches the loop. A batch whose every sample was dropped yields
+    None (the loader leaves it out, but counts it, so that resuming stays exact).
+    """
+
+    def __init__(
+        self,
+        transform: Callable[[list[torch.Tensor]], torch.Tensor],
+        device: str | torch.device,
+        *,
+        on_error: Any = "raise",
+        report: Callable[[str, BlobdataError], None] | None = None,
+        depth: int = 2,
+    ) -> None:
+        self.device = check_device(device)  # a clear error now, not in the first batch
+        self.transform = transform
+        self.on_error = on_error
+        self.report = report
+        self.depth = max(1, int(depth))
+
+    def __call__(self, batches: Iterator[RawBatch]) -> Iterator[tuple[torch.Tensor, Any] | None]:
+        out: queue.Queue[Any] = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        thread = threading.Thread(
+            target=self._produce, args=(batches, out, stop), name="blobdata-device-decode", daemon=True
+        )
+        thread.start()
+        cuda = self.device.type == "cuda"
+        try:
+            while True:
+                item = out.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    yield None
+                    continue
+                images, targets, event = item
+                if cuda:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(event)  # on the device: the host does not wait
+                    images.record_stream(current)
+                    if isinstance(targets, torch.Tensor):
+                        targets.record_stream(current)
+                yield images, targets
+        finally:
+            stop.set()
+            with contextlib.suppress(queue.Empty):  # unblock a producer waiting to put
+                while True:
+                    out.get_nowait()
+            thread.join(timeout=10.0)
+
+    def _produce(self, batches: Iterator[RawBatch], out: queue.Queue[Any], stop: threading.Event) -> None:
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        try:
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+            for raw in batches:
+                if stop.is_set():
+                    return
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    made = self._make(raw)
+                    event = None
+                    if stream is not None and made is not None:
+                        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        event.record(stream)
+                if not put(None if made is None else (*made, event)):
+                    return
+            put(_END)
+        except BaseException as exc:  # reaches the training loop through the queue
+            put(exc)
+
+    def _make(self, raw: RawBatch) -> tuple[torch.Tensor, Any] | None:
+        t = time.perf_counter()
+        decoded = decode_each(raw.samples(), raw.urls, device=self.device)
+        keep = []
+        for k, item in enumerate(decoded):
+            if isinstance(item, BlobdataError):
+                if self.on_error == "raise" or self.report is None:
+                    raise item
+                self.report(raw.urls[k], item)
+            else:
+                keep.append(k)
+        rec = _stats.rec()
+        rec[_stats.DECODE_S] += time.perf_counter() - t
+        if not keep:
+            return None
+        images = [decoded[k] for k in keep]
+        targets = raw.targets
+        if len(keep) < len(decoded) and isinstance(targets, torch.Tensor):
+            targets = targets[torch.tensor(keep)]
+        t = time.perf_counter()
+        batch = self.transform(images)  # type: ignore[arg-type]
+        if isinstance(targets, torch.Tensor):
+            targets = targets.to(self.device, non_blocking=True)
+        rec[_stats.TRANSFORM_S] += time.perf_counter() - t
+        return batch, targets
