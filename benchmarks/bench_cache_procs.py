@@ -5,7 +5,8 @@
 P processes (forked, as DataLoader workers are) share one fresh cache directory. Each writes
 ``--values`` values of ``--size`` bytes with ``put_many`` in batches of ``--batch`` (32), then reads
 them back with ``get``, then reads the same bytes from plain local files and checksums them (the
-baseline a warm cache hit must not exceed: issue 12, item 3); a barrier starts every phase together. Printed per P: aggregate puts/s and
+baseline a warm cache hit must not exceed: issue 12, item 3); a barrier starts every phase
+together. Printed per P: aggregate puts/s and
 gets/s (operations over the phase's wall time) and CPU per put and per get (each process's own CPU
 time, summed). The last lines give P=16 (or the largest P run) against P=1: the issue's goal is CPU per
 operation within 1.3x and aggregate puts/s at least P=1's. On a machine with fewer cores than P the
