@@ -58,6 +58,8 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         gpu_transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:
         self.device_pipeline: DevicePipeline | None = None
+        self.device = device
+        self.gpu_transform = gpu_transform
         if device is not None or gpu_transform is not None:
             if device is None or gpu_transform is None:
                 raise ConfigError(
@@ -65,7 +67,7 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
                     "each batch is decoded, then gpu_transform (e.g. blobdata.gpu.TrainTransform(224)) "
                     "makes it one tensor"
                 )
-            if collate_fn is not None:
+            if collate_fn is not None and getattr(collate_fn, "fn", collate_fn) is not collate_raw:
                 raise ConfigError("with device=, batches are made by gpu_transform: collate_fn= is not used")
             raw_view = getattr(dataset, "_raw_view", None)
             if raw_view is None:

@@ -163,6 +163,22 @@ def test_resume_and_a_distributed_sampler(tmp_path: Path) -> None:
     assert [t for batch in mine for t in batch] == [ds.targets[i] for i in list(sampler)]
 
 
+def test_rebuilt_from_its_own_attributes(tmp_path: Path) -> None:
+    """Lightning re-instantiates a loader from the attributes named like its constructor's arguments."""
+    ds = FolderDataset(_folder(tmp_path / "d", _objects(10)))
+    loader = ds.dataloader(batch_size=4, device="cpu", gpu_transform=_transform())
+    again = type(loader)(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=loader.sampler,
+        collate_fn=loader.collate_fn,
+        device=loader.device,
+        gpu_transform=loader.gpu_transform,
+    )
+    shapes = [tuple(images.shape) for images, _ in again]
+    assert shapes == [(4, 3, SIZE, SIZE), (4, 3, SIZE, SIZE), (2, 3, SIZE, SIZE)]
+
+
 def test_configuration_errors(tmp_path: Path) -> None:
     root = _folder(tmp_path / "d", _objects(3))
     ds = FolderDataset(root)

@@ -128,7 +128,11 @@ def _gpu_decoder() -> Any:
         def nv(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = []
             stream = torch.cuda.current_stream(device).cuda_stream  # the caller's (side) stream
-            for img in decoder.decode(datas, cuda_stream=stream):
+            try:
+                images = decoder.decode(datas, cuda_stream=stream)
+            except TypeError:  # a release without the keyword: it decodes on its own stream, then syncs
+                images = decoder.decode(datas)
+            for img in images:
                 out.append(None if img is None else torch.as_tensor(img, device=device).permute(2, 0, 1))
             return out
 
