@@ -118,7 +118,7 @@ def test_content_length_body_keep_alive_and_case_insensitive_headers() -> None:
         async with serve(lambda c, r: (ok(body), "keep")) as (origin, stats):
             pool = H1Pool(4)
             for _ in range(5):
-                resp = await pool.get(origin, "/k?x=1", H, 5)
+                resp = await pool.get(origin, "/k?x=1", H, 30)
                 assert (resp.status, resp.body, resp.content_length) == (200, body, len(body))
                 assert resp.headers.get("x-TEST") == "yes" and resp.headers.get("ETag") is None
             assert (stats.connections, stats.requests) == (1, 5)  # one keep-alive connection, reused
@@ -138,9 +138,9 @@ def test_chunked_body_split_across_reads_then_reuse() -> None:
     async def go() -> None:
         async with serve(lambda c, r: (pieces if r == 0 else ok(b"next"), "keep")) as (origin, stats):
             pool = H1Pool(2)
-            resp = await pool.get(origin, "/", H, 5)
+            resp = await pool.get(origin, "/", H, 30)
             assert (resp.status, resp.body, resp.content_length) == (404, b"<Error></Error>ab", None)
-            assert (await pool.get(origin, "/", H, 5)).body == b"next"
+            assert (await pool.get(origin, "/", H, 30)).body == b"next"
             assert stats.connections == 1
             await pool.aclose()
 
@@ -155,9 +155,9 @@ def test_large_error_body_is_cut_and_informational_heads_skipped() -> None:
     async def go() -> None:
         async with serve(lambda c, r: (error if c == 0 else then_ok, "keep")) as (origin, stats):
             pool = H1Pool(1)
-            resp = await pool.get(origin, "/", H, 5)
+            resp = await pool.get(origin, "/", H, 30)
             assert resp.status == 500 and resp.body == big[:ERROR_BODY_CAP]
-            resp = await pool.get(origin, "/", H, 5)
+            resp = await pool.get(origin, "/", H, 30)
             assert (resp.status, resp.body) == (200, b"fine")
             assert stats.connections == 2  # the cut body's connection was not reused
             await pool.aclose()
@@ -171,7 +171,7 @@ def test_close_delimited_body() -> None:
         async with serve(lambda c, r: (reply, "close")) as (origin, stats):
             pool = H1Pool(2)
             for _ in range(2):
-                assert (await pool.get(origin, "/", H, 5)).body == b"hello world"
+                assert (await pool.get(origin, "/", H, 30)).body == b"hello world"
             assert stats.connections == 2  # a close-delimited body leaves nothing to reuse
             await pool.aclose()
 
@@ -188,7 +188,7 @@ def test_connection_close_and_http10_are_honoured(pieces: list[bytes]) -> None:
         async with serve(lambda c, r: (pieces, "keep")) as (origin, stats):
             pool = H1Pool(2)
             for _ in range(3):
-                assert (await pool.get(origin, "/", H, 5)).body == b"x"
+                assert (await pool.get(origin, "/", H, 30)).body == b"x"
             assert stats.connections == 3
             await pool.aclose()
 
@@ -203,7 +203,7 @@ def test_http10_keep_alive_is_reused() -> None:
         ):
             pool = H1Pool(2)
             for _ in range(3):
-                await pool.get(origin, "/", H, 5)
+                await pool.get(origin, "/", H, 30)
             assert stats.connections == 1
             await pool.aclose()
 
@@ -217,11 +217,11 @@ def test_reused_connection_closed_at_request_fails_once_without_hidden_retry() -
     async def go() -> None:
         async with serve(reply) as (origin, stats):
             pool = H1Pool(2)
-            assert (await pool.get(origin, "/", H, 5)).body == b"fine"
+            assert (await pool.get(origin, "/", H, 30)).body == b"fine"
             with pytest.raises(ConnectionLost, match="reused"):
-                await pool.get(origin, "/", H, 5)
+                await pool.get(origin, "/", H, 30)
             assert stats.requests == 2  # the failed request was sent once, not resent
-            assert (await pool.get(origin, "/", H, 5)).body == b"fine"
+            assert (await pool.get(origin, "/", H, 30)).body == b"fine"
             assert (stats.connections, stats.requests) == (2, 3)
             await pool.aclose()
 
@@ -234,7 +234,7 @@ def test_idle_connection_closed_by_server_is_replaced_quietly() -> None:
         async with serve(lambda c, r: (ok(b"x"), "close")) as (origin, stats):
             pool = H1Pool(2)
             for _ in range(3):
-                assert (await pool.get(origin, "/", H, 5)).body == b"x"
+                assert (await pool.get(origin, "/", H, 30)).body == b"x"
                 await asyncio.sleep(0.05)
             assert (stats.connections, stats.requests) == (3, 3)
             await pool.aclose()
@@ -246,11 +246,11 @@ def test_idle_timeout_closes_pooled_connections() -> None:
     async def go() -> None:
         async with serve(lambda c, r: (ok(b"x"), "keep")) as (origin, stats):
             pool = H1Pool(2, idle_timeout=0.2)
-            await pool.get(origin, "/", H, 5)
+            await pool.get(origin, "/", H, 30)
             assert stats.open == 1
             await asyncio.sleep(0.6)
             assert stats.open == 0 and not pool._conns
-            await pool.get(origin, "/", H, 5)
+            await pool.get(origin, "/", H, 30)
             assert stats.connections == 2
             await pool.aclose()
 
@@ -269,7 +269,7 @@ def test_truncated_body_is_incomplete(pieces: list[bytes]) -> None:
         async with serve(lambda c, r: (pieces, "close")) as (origin, _):
             pool = H1Pool(2)
             with pytest.raises(IncompleteBody):
-                await pool.get(origin, "/", H, 5)
+                await pool.get(origin, "/", H, 30)
             await pool.aclose()
 
     run(go())
@@ -294,8 +294,8 @@ def test_malformed_response_is_bad_and_pool_recovers(pieces: list[bytes]) -> Non
         async with serve(reply) as (origin, stats):
             pool = H1Pool(1)
             with pytest.raises(BadResponse):
-                await pool.get(origin, "/", H, 5)
-            assert (await pool.get(origin, "/", H, 5)).body == b"good"
+                await pool.get(origin, "/", H, 30)
+            assert (await pool.get(origin, "/", H, 30)).body == b"good"
             assert stats.connections == 2
             await pool.aclose()
 
@@ -321,7 +321,7 @@ def test_waiting_for_a_free_connection_counts_against_the_deadline() -> None:
     async def go() -> None:
         async with serve(lambda c, r: ([], "hang")) as (origin, stats):
             pool = H1Pool(1)
-            first = asyncio.ensure_future(pool.get(origin, "/", H, 5))
+            first = asyncio.ensure_future(pool.get(origin, "/", H, 30))
             await asyncio.sleep(0.05)
             t0 = time.monotonic()
             with pytest.raises(asyncio.TimeoutError):
@@ -352,7 +352,7 @@ def test_cancelled_request_discards_its_connection() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            resp = await pool.get(origin, "/", H, 5)
+            resp = await pool.get(origin, "/", H, 30)
             assert resp.body == b"after" and stats.connections == 2
             await asyncio.sleep(0.05)
             assert stats.open == 1 and len(pool._conns) == 1  # the half-read one is closed
@@ -383,7 +383,7 @@ def test_pool_limit_is_global_across_origins() -> None:
         ):
             pool = H1Pool(1)
             for origin in (a, b, a):
-                await pool.get(origin, "/", H, 5)
+                await pool.get(origin, "/", H, 30)
             await asyncio.sleep(0.05)
             assert sa.open + sb.open == 1 and (sa.connections, sb.connections) == (2, 1)
             await pool.aclose()

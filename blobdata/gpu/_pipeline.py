@@ -119,7 +119,7 @@ class DevicePipeline:
             with contextlib.suppress(queue.Empty):  # unblock a producer waiting to put
                 while True:
                     out.get_nowait()
-            thread.join(timeout=10.0)
+            thread.join(timeout=2.0)  # it ends after the batch it is waiting for (a daemon thread)
 
     def _produce(self, batches: Iterator[RawBatch], out: queue.Queue[Any], stop: threading.Event) -> None:
         def put(item: Any) -> bool:
