@@ -51,7 +51,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'blobdata' has no attribute {name!r}")
 
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AccessDenied",

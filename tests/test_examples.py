@@ -109,10 +109,13 @@ def test_package_builds_as_wheel_and_sdist(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr[-3000:]
     wheel = next(out.glob("blobdata-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for name in ("blobdata/py.typed", "blobdata/_stores/s3.py", "blobdata/_cache/cache.py"):
+    for name in ("blobdata/py.typed", "blobdata/_stores/s3.py", "blobdata/_cache/cache.py",
+                 "blobdata/_cache/db.py", "blobdata/gpu/_pipeline.py"):  # fmt: skip
         assert name in names, name
     meta = next(n for n in names if n.endswith("METADATA"))
     text = zipfile.ZipFile(wheel).read(meta).decode()
     assert "Name: blobdata" in text and "Requires-Dist: torch" in text
+    runtime = [ln for ln in text.splitlines() if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
+    assert not [line for line in runtime if "diskcache" in line]  # the cache owns its SQLite schema
     sdists = list(out.glob("*.tar.gz"))
     assert sdists and sdists[0].stat().st_size > 10_000, (sorted(p.name for p in out.iterdir()), done.stdout)

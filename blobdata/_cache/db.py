@@ -13,7 +13,7 @@ The index is one SQLite file (``cache.db``, WAL mode) whose schema blobdata owns
     ``last_sweep``.
 
 ``PRAGMA application_id`` marks the file as blobdata's and ``PRAGMA user_version`` is the schema
-version. An index written by blobdata <= 0.1 (diskcache's ``Cache`` table) is rebuilt in place the
+version. An index written by blobdata 0.1 (diskcache's ``Cache`` table) is rebuilt in place the
 first time it is opened: its byte rows are copied into ``entries`` (values are still verified by
 their checksum on every read), every other row is dropped, and diskcache's tables go.
 
@@ -67,7 +67,7 @@ _FROM_DISKCACHE = (
 )
 
 
-# Ours, and those of blobdata <= 0.1's diskcache index (rebuilt when found).
+# Ours, and those of blobdata 0.1's diskcache index (rebuilt when found).
 _KNOWN_TABLES = {"entries", "meta", "Cache", "Settings", "Tag", "Blobdata"}
 
 
@@ -231,7 +231,7 @@ class Index:
         return app == APPLICATION_ID and version == SCHEMA_VERSION
 
     def _from_diskcache(self, con: sqlite3.Connection, tables: set[str]) -> None:
-        """Carry the byte rows of a diskcache index (blobdata <= 0.1) over, then drop its tables."""
+        """Carry the byte rows of a diskcache index (blobdata 0.1) over, then drop its tables."""
         total = int(con.execute("SELECT COUNT(*) FROM Cache").fetchone()[0])
         self.migrated = con.execute(_FROM_DISKCACHE).rowcount
         if "Blobdata" in tables:
