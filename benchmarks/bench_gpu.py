@@ -145,6 +145,7 @@ def child_main(spec_path: str) -> int:
     from blobdata import BlobCache, FolderDataset, gpu
 
     device = torch.device("cpu" if spec["dry_run"] else "cuda")
+    torch.backends.cudnn.benchmark = True  # every row alike: the fastest convolutions for this shape
     size, batch, workers, n = spec["size"], spec["batch_size"], spec["workers"], len(spec["keys"])
     model = _model(spec, device)
     mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
