@@ -91,11 +91,14 @@ class DevicePipeline:
     def __call__(self, batches: Iterator[RawBatch]) -> Iterator[tuple[torch.Tensor, Any] | None]:
         out: queue.Queue[Any] = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        thread = threading.Thread(
-            target=self._produce, args=(batches, out, stop), name="blobdata-device-decode", daemon=True
-        )
+        device = self.device
+        if device.type == "cuda" and device.index is None:
+            # The training thread's current GPU (DDP's set_device(rank)); the decode thread has its own.
+            device = torch.device("cuda", torch.cuda.current_device())
+        args = (batches, out, stop, device)
+        thread = threading.Thread(target=self._produce, args=args, name="blobdata-device-decode", daemon=True)
         thread.start()
-        cuda = self.device.type == "cuda"
+        cuda = device.type == "cuda"
         try:
             while True:
                 item = out.get()
@@ -108,7 +111,7 @@ class DevicePipeline:
                     continue
                 images, targets, event = item
                 if cuda:
-                    current = torch.cuda.current_stream(self.device)
+                    current = torch.cuda.current_stream(device)
                     current.wait_event(event)  # on the device: the host does not wait
                     images.record_stream(current)
                     if isinstance(targets, torch.Tensor):
@@ -121,7 +124,9 @@ class DevicePipeline:
                     out.get_nowait()
             thread.join(timeout=2.0)  # it ends after the batch it is waiting for (a daemon thread)
 
-    def _produce(self, batches: Iterator[RawBatch], out: queue.Queue[Any], stop: threading.Event) -> None:
+    def _produce(
+        self, batches: Iterator[RawBatch], out: queue.Queue[Any], stop: threading.Event, device: torch.device
+    ) -> None:
         def put(item: Any) -> bool:
             while not stop.is_set():
                 try:
@@ -132,15 +137,15 @@ class DevicePipeline:
             return False
 
         try:
-            cuda = self.device.type == "cuda"
+            cuda = device.type == "cuda"
             if cuda:
-                torch.cuda.set_device(self.device)
-            stream = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+                torch.cuda.set_device(device)
+            stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
             for raw in batches:
                 if stop.is_set():
                     return
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    made = self._make(raw)
+                    made = self._make(raw, device)
                     event = None
                     if stream is not None and made is not None:
                         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -151,9 +156,9 @@ class DevicePipeline:
         except BaseException as exc:  # reaches the training loop through the queue
             put(exc)
 
-    def _make(self, raw: RawBatch) -> tuple[torch.Tensor, Any] | None:
+    def _make(self, raw: RawBatch, device: torch.device) -> tuple[torch.Tensor, Any] | None:
         t = time.perf_counter()
-        decoded = decode_each(raw.samples(), raw.urls, device=self.device)
+        decoded = decode_each(raw.samples(), raw.urls, device=device)
         keep = []
         for k, item in enumerate(decoded):
             if isinstance(item, BlobdataError):
@@ -173,6 +178,6 @@ class DevicePipeline:
         t = time.perf_counter()
         batch = self.transform(images)  # type: ignore[arg-type]
         if isinstance(targets, torch.Tensor):
-            targets = targets.to(self.device, non_blocking=True)
+            targets = targets.to(device, non_blocking=True)
         rec[_stats.TRANSFORM_S] += time.perf_counter() - t
         return batch, targets
