@@ -124,6 +124,25 @@ def test_a_corrupt_sample_raises_with_its_url_or_is_skipped(tmp_path: Path, work
     assert loader.stats().errors_skipped == 1
 
 
+def _named_target(target: int) -> tuple[int, str]:
+    return target, f"class {target}"
+
+
+def test_a_skipped_sample_leaves_every_field_of_structured_targets(tmp_path: Path) -> None:
+    objects = _objects(6)
+    objects["c1/004.jpg"] = objects["c1/004.jpg"][:200]  # a truncated JPEG, second in its batch
+    ds = FolderDataset(_folder(tmp_path / "d", objects), on_error="skip", target_transform=_named_target)
+    loader = ds.dataloader(batch_size=3, device="cpu", gpu_transform=_transform())
+    batches = list(loader)
+    urls = [url for url, _ in ds.samples]
+    kept = [i for i, url in enumerate(urls) if not url.endswith("004.jpg")]
+    want = [ds.targets[i] for i in kept]
+    assert [int(images.shape[0]) for images, _ in batches] == [3, 2]
+    ids = [t for _, (ids, _) in batches for t in ids.tolist()]
+    names = [n for _, (_, names) in batches for n in names]
+    assert ids == want and names == [f"class {t}" for t in want]
+
+
 def test_breaking_out_and_a_new_epoch_leave_no_thread_behind(tmp_path: Path) -> None:
     ds = FolderDataset(_folder(tmp_path / "d", _objects(20)))
     loader = ds.dataloader(batch_size=2, num_workers=2, device="cpu", gpu_transform=_transform())
@@ -207,7 +226,7 @@ def test_raw_batches_cross_as_one_tensor() -> None:
     raw = collate_raw(samples)
     assert isinstance(raw, RawBatch) and raw.data.dtype == torch.uint8 and raw.data.numel() == 5
     assert raw.samples() == [b"abc", b"", b"\x00\xff"] and raw.urls == ["u0", "u1", "u2"]
-    assert raw.targets.tolist() == [1, 0, 2]
+    assert raw.targets == [1, 0, 2]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -20,6 +20,7 @@ loop, or, under ``on_error="skip"``, is dropped from its batch and reported like
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import queue
 import threading
@@ -33,7 +34,7 @@ import torch.utils.data
 
 from .. import _stats
 from .._errors import BlobdataError
-from . import check_device, decode_each
+from . import check_device, decode_checked
 
 __all__ = ["RawBatch", "DevicePipeline", "collate_raw"]
 
@@ -46,7 +47,7 @@ class RawBatch(NamedTuple):
     data: torch.Tensor
     offsets: torch.Tensor
     urls: list[str]
-    targets: Any
+    targets: list[Any]
 
     def samples(self) -> list[bytes]:
         buf = self.data.numpy()
@@ -54,15 +55,15 @@ class RawBatch(NamedTuple):
 
 
 def collate_raw(samples: Sequence[tuple[bytes, str, Any]]) -> RawBatch:
-    """The workers' collate function on the device path: bytes joined into one tensor, targets collated."""
+    """The workers' collate function on the device path: bytes joined into one tensor."""
     bounds = [0, *itertools.accumulate(len(data) for data, _, _ in samples)]
     data = torch.empty(bounds[-1], dtype=torch.uint8)
     buf = data.numpy()
     for (sample, _, _), a, b in zip(samples, bounds, bounds[1:], strict=False):  # one copy per sample
         buf[a:b] = np.frombuffer(sample, dtype=np.uint8)
     offsets = torch.tensor(bounds, dtype=torch.int64)
-    targets = torch.utils.data.default_collate([t for _, _, t in samples]) if samples else torch.empty(0)
-    return RawBatch(data, offsets, [url for _, url, _ in samples], targets)
+    # Targets stay per sample: the training process collates them after dropping undecodable samples.
+    return RawBatch(data, offsets, [url for _, url, _ in samples], [t for _, _, t in samples])
 
 
 class DevicePipeline:
@@ -113,9 +114,7 @@ class DevicePipeline:
                 if cuda:
                     current = torch.cuda.current_stream(device)
                     current.wait_event(event)  # on the device: the host does not wait
-                    images.record_stream(current)
-                    if isinstance(targets, torch.Tensor):
-                        targets.record_stream(current)
+                    _apply(functools.partial(_used_on, current), (images, targets))
                 yield images, targets
         finally:
             stop.set()
@@ -158,7 +157,7 @@ class DevicePipeline:
 
     def _make(self, raw: RawBatch, device: torch.device) -> tuple[torch.Tensor, Any] | None:
         t = time.perf_counter()
-        decoded = decode_each(raw.samples(), raw.urls, device=device)
+        decoded = decode_checked(raw.samples(), raw.urls, device)  # the device was checked at start
         keep = []
         for k, item in enumerate(decoded):
             if isinstance(item, BlobdataError):
@@ -172,12 +171,26 @@ class DevicePipeline:
         if not keep:
             return None
         images = [decoded[k] for k in keep]
-        targets = raw.targets
-        if len(keep) < len(decoded) and isinstance(targets, torch.Tensor):
-            targets = targets[torch.tensor(keep)]
+        targets = torch.utils.data.default_collate([raw.targets[k] for k in keep])
         t = time.perf_counter()
         batch = self.transform(images)  # type: ignore[arg-type]
-        if isinstance(targets, torch.Tensor):
-            targets = targets.to(device, non_blocking=True)
+        targets = _apply(lambda x: x.to(device, non_blocking=True), targets)
         rec[_stats.TRANSFORM_S] += time.perf_counter() - t
         return batch, targets
+
+
+def _used_on(stream: Any, tensor: torch.Tensor) -> None:
+    tensor.record_stream(stream)  # the caching allocator keeps its memory until ``stream`` is done
+
+
+def _apply(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``fn`` on every tensor in ``value`` (nested lists, tuples and dicts), keeping the structure."""
+    if isinstance(value, torch.Tensor):
+        out = fn(value)
+        return value if out is None else out
+    if isinstance(value, dict):
+        return {k: _apply(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_apply(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # namedtuples too
+    return value
