@@ -59,6 +59,25 @@ def test_output_shape_dtype_and_flip() -> None:
     assert torch.equal(flipped, plain.flip(-1))
 
 
+def test_full_decode_matches_the_usual_pil_pipeline() -> None:
+    """The crop is resized by torch's antialiased uint8 kernel: it must give what torchvision's PIL
+    path (crop, BILINEAR resize, PILToTensor) gives for the same box, down- and upscaling."""
+    rng = np.random.default_rng(7)
+    g = torch.Generator().manual_seed(7)
+    crop = RandomResizedCrop((48, 64), scale=(0.01, 1.0), flip=0.0, generator=g)
+    diffs, worst = [], 0
+    for _ in range(20):
+        img = Image.open(io.BytesIO(synthetic_jpeg(rng, min_side=80, max_side=300))).convert("RGB")
+        top, left, h, w = box = crop.params(*img.size)
+        ours = crop.crop(img, box, reduced=False)
+        usual = img.crop((left, top, left + w, top + h)).resize((64, 48), Image.Resampling.BILINEAR)
+        diff = (ours.float() - torch.from_numpy(np.array(usual)).permute(2, 0, 1).float()).abs()
+        diffs.append(diff.mean().item())
+        worst = max(worst, int(diff.max().item()))
+    assert ours.shape == (3, 48, 64) and ours.is_contiguous()
+    assert np.mean(diffs) < 0.5 and worst <= 3, (diffs, worst)
+
+
 @pytest.mark.parametrize(("upsample", "bound"), [(1.0, 3.0), (2.0, 6.0)])
 def test_reduced_scale_decode_matches_a_full_decode(upsample: float, bound: float) -> None:
     rng = np.random.default_rng(3)
