@@ -14,6 +14,8 @@ epoch per row, each input path in its own child process pinned to ``--client-cpu
                        crop 224, flip, uint8 tensor per sample in the workers (the usual pipeline)
 - ``blobdata CPU cold/warm``  FolderDataset on the bucket with a fresh cache, the same per-sample work;
                        cold is the first epoch (from the bucket), warm the second (from the cache)
+- ``blobdata CPU ..., cheaper crop``  the same, with ``blobdata.transforms.RandomResizedCrop`` as the
+                       per-sample work (reduced-scale decode, torch's resize of the crop only)
 - ``blobdata GPU cold/warm``  the same bucket with ``device="cuda", gpu_transform=gpu.TrainTransform``:
                        workers fetch bytes, the training process decodes and augments whole batches
 
@@ -40,11 +42,12 @@ from typing import Any
 from common import BENCH_DATA, IMAGE_PREFIX, fmt, parse_cpus, pin_tree, place_cpus, prepare_dataset, table
 
 BUCKET = "bench"
-ROWS = ["synthetic", "local-cpu", "blobdata-cpu", "blobdata-gpu"]
+ROWS = ["synthetic", "local-cpu", "blobdata-cpu", "blobdata-crop", "blobdata-gpu"]
 NAMES = {
     "synthetic": ["synthetic (ceiling)"],
     "local-cpu": ["local, CPU decode"],
     "blobdata-cpu": ["blobdata CPU cold", "blobdata CPU warm"],
+    "blobdata-crop": ["blobdata CPU cold, cheaper crop", "blobdata CPU warm, cheaper crop"],
     "blobdata-gpu": ["blobdata GPU cold", "blobdata GPU warm"],
 }
 MEAN = (0.485, 0.456, 0.406)
@@ -143,6 +146,7 @@ def child_main(spec_path: str) -> int:
     import torch
 
     from blobdata import BlobCache, FolderDataset, gpu
+    from blobdata.transforms import RandomResizedCrop
 
     device = torch.device("cpu" if spec["dry_run"] else "cuda")
     torch.backends.cudnn.benchmark = True  # every row alike: the fastest convolutions for this shape
@@ -177,6 +181,11 @@ def child_main(spec_path: str) -> int:
         if row == "blobdata-cpu":
             fds = FolderDataset(url, storage_options=options, cache=cache, loader=read_bytes,
                                 transform=_Work(size))  # fmt: skip
+            loader = fds.dataloader(**loader_args)
+            prepare = from_uint8
+        elif row == "blobdata-crop":
+            crop = RandomResizedCrop(size)  # decode-aware: the dataset hands it the bytes
+            fds = FolderDataset(url, storage_options=options, cache=cache, transform=crop)
             loader = fds.dataloader(**loader_args)
             prepare = from_uint8
         else:
