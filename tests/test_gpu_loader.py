@@ -239,3 +239,47 @@ def test_cuda_batches_match_the_cpu_path(tmp_path: Path) -> None:  # pragma: no 
         # nvJPEG and libjpeg-turbo may differ by a few levels per pixel (IDCT and upsampling).
         assert (images.float().cpu() - want).abs().mean() < 0.1
     assert _no_decoder_thread_left()
+
+
+def test_persistent_workers_and_a_new_iter_mid_epoch(tmp_path: Path) -> None:
+    ds = FolderDataset(_folder(tmp_path / "d", _objects(12)))
+    loader = ds.dataloader(
+        batch_size=3, num_workers=2, persistent_workers=True, device="cpu", gpu_transform=_transform()
+    )
+    it = iter(loader)
+    next(it)
+    # The same workers, reset for a new epoch; the old epoch's decode thread is stopped first.
+    assert sum(len(t) for _, t in loader) == 12
+    assert sum(len(t) for _, t in loader) == 12
+    del it
+    assert _no_decoder_thread_left()
+
+
+class _Counting:
+    """A gpu_transform that records every batch it is asked to transform."""
+
+    def __init__(self) -> None:
+        self.inner = _transform()
+        self.calls = 0
+
+    def __call__(self, images: list[torch.Tensor]) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(images)
+
+
+def test_the_decode_thread_stays_a_bounded_number_of_batches_ahead(tmp_path: Path) -> None:
+    ds = FolderDataset(_folder(tmp_path / "d", _objects(24)))
+    counting = _Counting()
+    loader = ds.dataloader(batch_size=2, num_workers=2, device="cpu", gpu_transform=counting)
+    assert loader.device_pipeline is not None
+    depth = loader.device_pipeline.depth
+    it = iter(loader)
+    next(it)  # the loop now "trains" on batch 0 and asks for nothing more
+    deadline = time.monotonic() + 30
+    while counting.calls < 1 + depth and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # without a bound on the queue, more batches would be decoded meanwhile
+    # Batch 0 handed over, `depth` batches queued, one more decoded and waiting for room: no more.
+    assert 1 + depth <= counting.calls <= 2 + depth
+    assert sum(len(t) for _, t in it) == 22
+    assert counting.calls == 12
