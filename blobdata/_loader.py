@@ -145,11 +145,12 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
             return TimedIter(plain, self._clock, self._records)
         # Counted as the loop receives them (the pipeline works ahead); a batch whose every sample
         # was skipped counts but is not yielded, so that the sampler's position stays exact.
-        return TimedIter(
-            lambda: _present(self._collect_skips(self.progress.track(pipeline(dataloader_iter())))),
-            self._clock,
-            self._records,
-        )
+
+        def device_batches() -> Iterator[Any]:
+            pipeline.stop_previous()  # before dataloader_iter() resets persistent workers' iterator
+            return _present(self._collect_skips(self.progress.track(pipeline(dataloader_iter()))))
+
+        return TimedIter(device_batches, self._clock, self._records)
 
     def _collect_skips(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Workers' ``on_error="skip"`` reports join ``dataset.errors`` here, batch by batch."""

@@ -19,6 +19,7 @@ loop, or, under ``on_error="skip"``, is dropped from its batch and reported like
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
@@ -88,6 +89,27 @@ class DevicePipeline:
         self.on_error = on_error
         self.report = report
         self.depth = max(1, int(depth))
+        self._running: tuple[threading.Event, threading.Thread] | None = None
+
+    def stop_previous(self, timeout: float = 60.0) -> None:
+        """Stop the last epoch's decode thread before a new epoch resets the DataLoader's iterator.
+
+        With ``persistent_workers`` every epoch shares one iterator of the workers' batches, and a
+        new ``iter(loader)`` resets it: a thread of an unfinished epoch still pulling from it would
+        race the reset. The thread stops after the batch it is waiting for; the old epoch's
+        iterator then ends. Raises :class:`BlobdataError` if it has not stopped within ``timeout``.
+        """
+        running, self._running = self._running, None
+        if running is None:
+            return
+        stop, thread = running
+        stop.set()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise BlobdataError(
+                f"the previous epoch's decode thread did not stop within {timeout:.0f} s (a worker is "
+                "stuck); finish or delete the old iterator before starting a new epoch"
+            )
 
     def __call__(self, batches: Iterator[RawBatch]) -> Iterator[tuple[torch.Tensor, Any] | None]:
         out: queue.Queue[Any] = queue.Queue(maxsize=self.depth)
@@ -99,10 +121,16 @@ class DevicePipeline:
         args = (batches, out, stop, device)
         thread = threading.Thread(target=self._produce, args=args, name="blobdata-device-decode", daemon=True)
         thread.start()
+        self._running = (stop, thread)
         cuda = device.type == "cuda"
         try:
             while True:
-                item = out.get()
+                try:
+                    item = out.get(timeout=0.1)
+                except queue.Empty:
+                    if stop.is_set() and not thread.is_alive():  # stopped by a newer epoch
+                        return
+                    continue
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -117,6 +145,8 @@ class DevicePipeline:
                     _apply(functools.partial(_used_on, current), (images, targets))
                 yield images, targets
         finally:
+            if self._running is not None and self._running[1] is thread:
+                self._running = None
             stop.set()
             with contextlib.suppress(queue.Empty):  # unblock a producer waiting to put
                 while True:
@@ -135,6 +165,10 @@ class DevicePipeline:
                     continue
             return False
 
+        # The decoded images of each batch still in flight on the device, with the batch's event. A
+        # decoder's own buffers (nvImageCodec's are not torch's) may be freed outside the side
+        # stream's order once unreferenced: they are kept until the kernels reading them are done.
+        held: collections.deque[tuple[Any, list[Any]]] = collections.deque()
         try:
             cuda = device.type == "cuda"
             if cuda:
@@ -144,18 +178,27 @@ class DevicePipeline:
                 if stop.is_set():
                     return
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    made = self._make(raw, device)
+                    made, decoded = self._make(raw, device)
                     event = None
                     if stream is not None and made is not None:
                         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                         event.record(stream)
+                        held.append((event, decoded))
+                while held and held[0][0].query():  # done on the device: release (never waits)
+                    held.popleft()
                 if not put(None if made is None else (*made, event)):
                     return
             put(_END)
         except BaseException as exc:  # reaches the training loop through the queue
             put(exc)
+        finally:
+            for event, _ in held:  # this thread may wait; the training loop does not
+                event.synchronize()
 
-    def _make(self, raw: RawBatch, device: torch.device) -> tuple[torch.Tensor, Any] | None:
+    def _make(
+        self, raw: RawBatch, device: torch.device
+    ) -> tuple[tuple[torch.Tensor, Any] | None, list[Any]]:
+        """(the batch and its targets, or None if every sample was skipped; the decoded images)."""
         t = time.perf_counter()
         decoded = decode_checked(raw.samples(), raw.urls, device)  # the device was checked at start
         keep = []
@@ -169,14 +212,14 @@ class DevicePipeline:
         rec = _stats.rec()
         rec[_stats.DECODE_S] += time.perf_counter() - t
         if not keep:
-            return None
+            return None, decoded
         images = [decoded[k] for k in keep]
         targets = torch.utils.data.default_collate([raw.targets[k] for k in keep])
         t = time.perf_counter()
         batch = self.transform(images)  # type: ignore[arg-type]
         targets = _apply(lambda x: x.to(device, non_blocking=True), targets)
         rec[_stats.TRANSFORM_S] += time.perf_counter() - t
-        return batch, targets
+        return (batch, targets), decoded
 
 
 def _used_on(stream: Any, tensor: torch.Tensor) -> None:
