@@ -178,14 +178,11 @@ def child_main(spec_path: str) -> int:
         cache = BlobCache(os.path.join(spec["scratch"], "cache"), size_limit="100GB")
         options = spec["storage_options"]
         url = f"s3://{BUCKET}/{IMAGE_PREFIX}"
-        if row == "blobdata-cpu":
-            fds = FolderDataset(url, storage_options=options, cache=cache, loader=read_bytes,
-                                transform=_Work(size))  # fmt: skip
-            loader = fds.dataloader(**loader_args)
-            prepare = from_uint8
-        elif row == "blobdata-crop":
-            crop = RandomResizedCrop(size)  # decode-aware: the dataset hands it the bytes
-            fds = FolderDataset(url, storage_options=options, cache=cache, transform=crop)
+        if row in ("blobdata-cpu", "blobdata-crop"):
+            # RandomResizedCrop is decode-aware: the dataset hands it the bytes, as read_bytes does.
+            work = {"loader": read_bytes, "transform": _Work(size)} if row == "blobdata-cpu" else {
+                "transform": RandomResizedCrop(size)}  # fmt: skip
+            fds = FolderDataset(url, storage_options=options, cache=cache, **work)
             loader = fds.dataloader(**loader_args)
             prepare = from_uint8
         else:
