@@ -33,7 +33,7 @@ from .._decode import decode, default_loader
 from .._errors import BlobdataError, ConfigError
 from ..transforms import RandomResizedCrop
 
-__all__ = ["TrainTransform", "check_device", "decode_batch", "decode_checked", "decode_each"]
+__all__ = ["TrainTransform", "check_device", "decode_batch", "decode_each"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -198,10 +198,10 @@ def decode_each(
     datas: Sequence[bytes], urls: Sequence[str], *, device: str | torch.device = "cuda"
 ) -> list[torch.Tensor | BlobdataError]:
     """:func:`decode_batch` that returns, in place of each sample nobody can decode, its error."""
-    return decode_checked(datas, urls, check_device(device))
+    return _decode_checked(datas, urls, check_device(device))
 
 
-def decode_checked(
+def _decode_checked(
     datas: Sequence[bytes], urls: Sequence[str], dev: torch.device
 ) -> list[torch.Tensor | BlobdataError]:
     """:func:`decode_each` on a device :func:`check_device` already accepted (the loader's per-batch call)."""

@@ -35,7 +35,7 @@ import torch.utils.data
 
 from .. import _stats
 from .._errors import BlobdataError
-from . import check_device, decode_checked
+from . import _decode_checked, check_device
 
 __all__ = ["RawBatch", "DevicePipeline", "collate_raw"]
 
@@ -200,7 +200,7 @@ class DevicePipeline:
     ) -> tuple[tuple[torch.Tensor, Any] | None, list[Any]]:
         """(the batch and its targets, or None if every sample was skipped; the decoded images)."""
         t = time.perf_counter()
-        decoded = decode_checked(raw.samples(), raw.urls, device)  # the device was checked at start
+        decoded = _decode_checked(raw.samples(), raw.urls, device)  # the device was checked at start
         keep = []
         for k, item in enumerate(decoded):
             if isinstance(item, BlobdataError):
