@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,8 @@ import pytest
 import torch
 from PIL import Image
 
-from blobdata import ConfigError, DecodeError, FolderDataset, gpu
-from blobdata.gpu._pipeline import RawBatch, collate_raw
+from blobdata import BlobdataError, ConfigError, DecodeError, FolderDataset, gpu
+from blobdata.gpu._pipeline import DevicePipeline, RawBatch, collate_raw
 
 pytestmark = pytest.mark.timeout(120)
 SIZE = 24
@@ -251,7 +252,34 @@ def test_persistent_workers_and_a_new_iter_mid_epoch(tmp_path: Path) -> None:
     # The same workers, reset for a new epoch; the old epoch's decode thread is stopped first.
     assert sum(len(t) for _, t in loader) == 12
     assert sum(len(t) for _, t in loader) == 12
+    # The first epoch's iterator was stopped by the second: it ends (it does not hang) after what
+    # its thread had already queued.
+    assert len(list(it)) <= 2
     del it
+    assert _no_decoder_thread_left()
+
+
+def test_a_decode_thread_that_cannot_stop_is_a_clear_error() -> None:
+    release = threading.Event()
+
+    def stuck() -> Iterator[RawBatch]:  # a worker that does not deliver its batch until released
+        release.wait(30)
+        yield from ()
+
+    pipeline = DevicePipeline(_transform(), "cpu")
+    ended: list[list[Any]] = []
+    consumer = threading.Thread(target=lambda: ended.append(list(pipeline(stuck()))))
+    consumer.start()
+    deadline = time.monotonic() + 10
+    while pipeline._running is None and time.monotonic() < deadline:  # its decode thread started
+        time.sleep(0.01)
+    try:
+        with pytest.raises(BlobdataError, match=r"did not stop within 0 s \(a worker is stuck\)"):
+            pipeline.stop_previous(timeout=0.3)
+    finally:
+        release.set()
+    consumer.join(10)
+    assert ended == [[]]  # the stopped epoch ends once its thread does
     assert _no_decoder_thread_left()
 
 

@@ -90,6 +90,7 @@ class DevicePipeline:
         self.report = report
         self.depth = max(1, int(depth))
         self._running: tuple[threading.Event, threading.Thread] | None = None
+        self._lock = threading.Lock()
 
     def stop_previous(self, timeout: float = 60.0) -> None:
         """Stop the last epoch's decode thread before a new epoch resets the DataLoader's iterator.
@@ -99,7 +100,8 @@ class DevicePipeline:
         race the reset. The thread stops after the batch it is waiting for; the old epoch's
         iterator then ends. Raises :class:`BlobdataError` if it has not stopped within ``timeout``.
         """
-        running, self._running = self._running, None
+        with self._lock:
+            running, self._running = self._running, None
         if running is None:
             return
         stop, thread = running
@@ -120,8 +122,9 @@ class DevicePipeline:
             device = torch.device("cuda", torch.cuda.current_device())
         args = (batches, out, stop, device)
         thread = threading.Thread(target=self._produce, args=args, name="blobdata-device-decode", daemon=True)
-        thread.start()
-        self._running = (stop, thread)
+        with self._lock:  # stop_previous() sees no thread or a started one
+            thread.start()
+            self._running = (stop, thread)
         cuda = device.type == "cuda"
         try:
             while True:
@@ -145,8 +148,9 @@ class DevicePipeline:
                     _apply(functools.partial(_used_on, current), (images, targets))
                 yield images, targets
         finally:
-            if self._running is not None and self._running[1] is thread:
-                self._running = None
+            with self._lock:
+                if self._running is not None and self._running[1] is thread:
+                    self._running = None
             stop.set()
             with contextlib.suppress(queue.Empty):  # unblock a producer waiting to put
                 while True:
