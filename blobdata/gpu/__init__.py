@@ -205,7 +205,7 @@ def _gpu_decoder() -> Any:
 
         decoder = nvimgcodec.Decoder()
 
-        def nv(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
+        def nvimgcodec_decode(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = []
             stream = torch.cuda.current_stream(device).cuda_stream  # the caller's (side) stream
             try:
@@ -216,7 +216,7 @@ def _gpu_decoder() -> Any:
                 out.append(None if img is None else torch.as_tensor(img, device=device).permute(2, 0, 1))
             return out
 
-        return nv
+        return nvimgcodec_decode
     except ImportError:
         pass
     try:
@@ -224,7 +224,7 @@ def _gpu_decoder() -> Any:
     except ImportError:
         return None
 
-    def tv(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
+    def torchvision_decode_jpeg(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
         raw = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
         try:
             return list(decode_jpeg(raw, mode=ImageReadMode.RGB, device=device))
@@ -237,7 +237,7 @@ def _gpu_decoder() -> Any:
                     out.append(None)
             return out
 
-    return tv
+    return torchvision_decode_jpeg
 
 
 def decode_batch(
