@@ -4,6 +4,8 @@ fallbacks, the clear error without a GPU decoder. GPU-only checks skip where CUD
 from __future__ import annotations
 
 import io
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,3 +108,35 @@ def test_gpu_decode_matches_cpu() -> None:  # pragma: no cover - GPU machines on
     cpu = gpu.decode_batch(datas, ["a", "b"], device="cpu")
     for a, b in zip(out, cpu, strict=True):
         assert (a.cpu().float() - b.float()).abs().mean() < 2
+
+
+def test_an_installed_gpu_decoder_that_cannot_start_is_passed_over_with_its_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # nvImageCodec's Decoder() raises RuntimeError("CUDA Runtime failure...") where its CUDA is newer
+    # than the driver's: a stand-in package that fails the same way (the real wheel needs a GPU).
+    pkg = tmp_path / "nvidia" / "nvimgcodec"
+    pkg.mkdir(parents=True)
+    (tmp_path / "nvidia" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text(
+        "class Decoder:\n"
+        "    def __init__(self):\n"
+        "        raise RuntimeError('CUDA Runtime failure: #35')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
+        monkeypatch.delitem(sys.modules, name)
+    gpu._gpu_decoder.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="blobdata"):
+            decoder = gpu._gpu_decoder()
+        assert decoder is None or decoder.__name__ == "torchvision_decode_jpeg"
+        why = "nvImageCodec is installed but cannot decode here (RuntimeError: CUDA Runtime failure: #35)"
+        assert why in caplog.text
+        if decoder is None:  # what device="cuda" says on a GPU machine with nothing else to decode with
+            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+            with pytest.raises(ConfigError, match=r"pip install 'blobdata\[gpu\]'") as info:
+                gpu.check_device("cuda")
+            assert why in str(info.value)
+    finally:
+        gpu._gpu_decoder.cache_clear()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import io
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,8 @@ from .._errors import BlobdataError, ConfigError
 from ..transforms import RandomResizedCrop
 
 __all__ = ["TrainTransform", "check_device", "decode_batch", "decode_each"]
+
+_log = logging.getLogger("blobdata")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -199,11 +202,23 @@ def _cpu_decode(data: bytes, url: str) -> torch.Tensor:
 
 @functools.cache
 def _gpu_decoder() -> Any:
-    """The batched GPU JPEG decoder available here, or None (made once per process)."""
+    """The batched GPU JPEG decoder available here, or None (made once per process).
+
+    A decoder that is installed but cannot run here (nvImageCodec built for a newer CUDA than the
+    driver's, a torchvision built for another torch) is passed over with a warning that says why,
+    and named in :func:`check_device`'s error if none is left.
+    """
+    _unusable.clear()
     try:
         from nvidia import nvimgcodec  # type: ignore[import-not-found]
 
         decoder = nvimgcodec.Decoder()
+    except ImportError as exc:
+        if exc.name not in ("nvidia", "nvidia.nvimgcodec"):  # there, but its libraries do not load
+            _pass_over("nvImageCodec", exc)
+    except Exception as exc:  # installed, but not usable with this driver or device
+        _pass_over("nvImageCodec", exc)
+    else:
 
         def nvimgcodec_decode(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
             out: list[torch.Tensor | None] = []
@@ -217,11 +232,14 @@ def _gpu_decoder() -> Any:
             return out
 
         return nvimgcodec_decode
-    except ImportError:
-        pass
     try:
         from torchvision.io import ImageReadMode, decode_jpeg
-    except ImportError:
+    except ImportError as exc:
+        if not isinstance(exc, ModuleNotFoundError) or exc.name != "torchvision":
+            _pass_over("torchvision", exc)  # installed, but broken beside this torch
+        return None
+    except Exception as exc:
+        _pass_over("torchvision", exc)
         return None
 
     def torchvision_decode_jpeg(datas: list[bytes], device: torch.device) -> list[torch.Tensor | None]:
@@ -238,6 +256,15 @@ def _gpu_decoder() -> Any:
             return out
 
     return torchvision_decode_jpeg
+
+
+_unusable: list[str] = []  # GPU decoders installed here that failed to start, and why
+
+
+def _pass_over(name: str, exc: BaseException) -> None:
+    why = f"{name} is installed but cannot decode here ({type(exc).__name__}: {exc})"
+    _unusable.append(why)
+    _log.warning("blobdata.gpu: %s; trying the next decoder", why)
 
 
 def decode_batch(
@@ -267,9 +294,10 @@ def check_device(device: str | torch.device) -> torch.device:
     if not torch.cuda.is_available():
         raise ConfigError("device='cuda' was asked for but torch sees no CUDA device")
     if _gpu_decoder() is None:
+        why = "".join(f"; {u}" for u in _unusable)
         raise ConfigError(
             "GPU decoding needs nvImageCodec or torchvision: pip install 'blobdata[gpu]' "
-            "(nvidia-nvimgcodec-cu13 and torchvision), or decode on the CPU"
+            f"(nvidia-nvimgcodec-cu13 and torchvision), or decode on the CPU{why}"
         )
     return dev
 
