@@ -93,6 +93,15 @@ def test_train_resnet_with_a_dataset_smaller_than_a_batch(dataset: tuple[str, di
     assert "epoch 0: 12 images" in out
 
 
+def test_train_resnet_with_the_device_decode_path(dataset: tuple[str, dict[str, str]]) -> None:
+    url, env = dataset
+    # --decode gpu: workers fetch bytes, the training process decodes and transforms whole batches
+    # (on the CPU here, where there is no CUDA: the same path, the same loop).
+    out = _run([sys.executable, "examples/train_resnet.py", url, "--endpoint-url", env["AWS_ENDPOINT_URL_S3"],
+                "--workers", "2", "--batch-size", "4", "--decode", "gpu"], env)  # fmt: skip
+    assert "epoch 0: 12 images" in out
+
+
 def test_package_builds_as_wheel_and_sdist(tmp_path: Path) -> None:
     """The build metadata is ready to publish: sdist and wheel build from a clean copy of the tree."""
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
