@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import os
+import select
 import socket
 import threading
 import time
@@ -93,6 +94,32 @@ def test_proxy_adds_the_round_trip_time(s3_bucket: Any, s3_server: S3Endpoint) -
         t0 = time.monotonic()
         client.get_object(Bucket=s3_bucket.name, Key="rtt.bin")["Body"].read()
         assert time.monotonic() - t0 >= 0.09  # RTT = 2 x 50 ms
+
+
+def test_proxy_takes_a_burst_of_connections_while_busy(s3_server: S3Endpoint) -> None:
+    # 8 DataLoader workers open 64 connections each at once. With asyncio's default listen backlog
+    # (100) the kernel dropped the SYNs beyond it while the proxy's loop was busy, and each dropped
+    # SYN cost its client a 1 s retransmit: +1 s on the first batch and 30% of a short epoch.
+    with LatencyProxy(*_host_port(s3_server), delay_s=0.0) as proxy:
+        assert proxy._loop is not None
+        proxy._loop.call_soon_threadsafe(time.sleep, 1.5)  # the loop accepts nothing for 1.5 s
+        time.sleep(0.1)
+        socks = []
+        try:
+            for _ in range(400):
+                s = socket.socket()
+                s.setblocking(False)
+                s.connect_ex(("127.0.0.1", proxy.port))
+                socks.append(s)
+            deadline = time.monotonic() + 0.8  # the kernel completes each handshake: well inside 1 s
+            pending = set(socks)
+            while pending and time.monotonic() < deadline:
+                _, writable, _ = select.select([], list(pending), [], 0.05)
+                pending -= {s for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+            assert not pending, f"{len(pending)} of 400 connections were not accepted within 0.8 s"
+        finally:
+            for s in socks:
+                s.close()
 
 
 def test_proxy_delay_does_not_cap_throughput(s3_bucket: Any, s3_server: S3Endpoint) -> None:

@@ -37,6 +37,7 @@ FaultMode = Literal["reset", "close", "status503", "status500", "stall"]
 FAULT_MODES: tuple[FaultMode, ...] = ("reset", "close", "status503", "status500", "stall")
 
 _CONNECT_TIMEOUT_S = 10.0
+_BACKLOG = 4096  # listen queue: capped by the kernel (net.core.somaxconn)
 
 
 @dataclass
@@ -356,7 +357,9 @@ class LatencyProxy:
             self._loop = loop
             try:
                 self._server = loop.run_until_complete(
-                    loop.create_server(lambda: _ClientSide(self), "127.0.0.1", 0)
+                    # asyncio's default backlog is 100: 8 DataLoader workers opening their 64 connections
+                    # at once overflowed it, and each dropped SYN cost the client a 1 s retransmit.
+                    loop.create_server(lambda: _ClientSide(self), "127.0.0.1", 0, backlog=_BACKLOG)
                 )
                 self.port = self._server.sockets[0].getsockname()[1]
             except BaseException as exc:
@@ -414,8 +417,12 @@ class LatencyProxy:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
-        for conn in list(self._conns):
-            conn.abort()
+        # Connections accepted in the loop's last turn meet their protocol one step later: abort
+        # what is there, let the loop run a step, again, so that none is left open.
+        for _ in range(3):
+            for conn in list(self._conns):
+                conn.abort()
+            await asyncio.sleep(0)
         if self._server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
