@@ -36,6 +36,7 @@ def test_dry_run_prints_and_saves_every_row(tmp_path: Path) -> None:
     rows = json.loads(save.read_text())["rows"]
     assert [r["row"] for r in rows] == ROWS
     assert all(r["images"] == 96 and r["rate"] > 0 and 0 <= r["wait"] <= 1 for r in rows[1:])
+    assert all(r["trainer_cpu_ms"] > 0 for r in rows), [r["trainer_cpu_ms"] for r in rows]
     assert rows[0]["images"] == 96  # the ceiling: as many (synthetic) images as the dataset has
     for cold in (2, 4, 6):  # each blobdata row: cold from the bucket, then warm from its cache
         assert rows[cold]["hit_rate"] == 0.0 and rows[cold + 1]["hit_rate"] == 1.0, rows[cold]["row"]
