@@ -6,11 +6,14 @@ from __future__ import annotations
 import io
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image
 
 from blobdata import ConfigError, DecodeError, gpu
@@ -140,3 +143,46 @@ def test_an_installed_gpu_decoder_that_cannot_start_is_passed_over_with_its_reas
             assert why in str(info.value)
     finally:
         gpu._gpu_decoder.cache_clear()
+
+
+def _encoded(mode: str, **save: Any) -> bytes:
+    rgb = Image.fromarray(np.random.default_rng(7).integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    rgb.convert(mode).save(buf, "PNG" if mode == "RGBA" else "JPEG", **save)
+    return buf.getvalue()
+
+
+def test_the_gpu_decoders_get_the_jpegs_they_take_and_nothing_else() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation
+    takes = {
+        "baseline": _encoded("RGB"),
+        "progressive": _encoded("RGB", progressive=True),
+        "optimised, 4:4:4": _encoded("RGB", optimize=True, subsampling=0),
+        "EXIF and ICC profile": _encoded("RGB", exif=exif.tobytes(), icc_profile=b"\0" * 3000),
+    }
+    refuses = {
+        "grayscale": _encoded("L"),
+        "CMYK": _encoded("CMYK"),
+        "PNG": _encoded("RGBA"),
+        "empty": b"",
+        "SOI only": b"\xff\xd8",
+        "garbage after SOI": b"\xff\xd8" + bytes(range(256)),
+        "header cut in the frame": (lambda b: b[: b.index(b"\xff\xc0") + 6])(_encoded("RGB")),
+        "cut before the frame": (lambda b: b[: b.index(b"\xff\xc0")])(_encoded("RGB")),
+    }
+    for name, data in {**takes, **refuses}.items():
+        assert gpu._gpu_takes(data) == (name in takes), name
+        if name in takes or name in ("grayscale", "CMYK"):  # what Pillow reads from the same header
+            with Image.open(io.BytesIO(data)) as img:
+                assert (img.mode == "RGB") == gpu._gpu_takes(data), name
+    # 12-bit and arithmetic-coded frames go to the CPU decoder: the precision byte and the SOF marker.
+    base = takes["baseline"]
+    sof = base.index(b"\xff\xc0")
+    assert not gpu._gpu_takes(base[: sof + 4] + b"\x0c" + base[sof + 5 :])
+    assert not gpu._gpu_takes(base[:sof] + b"\xff\xc9" + base[sof + 2 :])
+
+
+@given(st.binary(max_size=300))
+def test_reading_a_header_never_raises(data: bytes) -> None:
+    assert isinstance(gpu._gpu_takes(b"\xff\xd8" + data), bool)
