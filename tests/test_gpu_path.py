@@ -66,7 +66,13 @@ def test_grouping_and_float16_do_not_change_the_batch(monkeypatch: pytest.Monkey
     boxes, flips = t.draw([(int(i.shape[1]), int(i.shape[2])) for i in images])
     one = t.apply(images, boxes, flips)
     t.group_bytes = 3 * 4 * 2 * 90 * 90  # about two crops per group
+    grouped: list[list[list[int]]] = []
+    real_groups = gpu._groups
+    monkeypatch.setattr(gpu, "_groups", lambda b, m: grouped.append(real_groups(b, m)) or grouped[-1])
     assert torch.allclose(t.apply(images, boxes, flips), one, atol=1e-4)
+    assert len(grouped[-1]) >= 2  # apply resized in several groups, as group_bytes asked
+    with pytest.raises(ConfigError, match="group_bytes must be positive"):
+        gpu.TrainTransform(32, group_bytes=0)
     monkeypatch.setattr(gpu, "_work_dtype", lambda device: torch.float16)  # what a GPU computes in
     err = (t.apply(images, boxes, flips) - one).abs() * 255 * 0.226  # back to pixel values
     assert float(err.mean()) < 0.1 and float(err.max()) < 1.0, (float(err.mean()), float(err.max()))
