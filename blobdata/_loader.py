@@ -1,12 +1,16 @@
 """The loader :meth:`FolderDataset.dataloader` returns: a ``torch.utils.data.DataLoader`` whose order
 blobdata sees, so every process can fetch ahead of the batches it will be given.
 
-It is a subclass, built from DataLoader's own arguments, so it is used (and rebuilt by tools such as
-Lightning, which re-instantiate a loader from its constructor's arguments) exactly like one. The
-sampler and batch sampler are made as DataLoader makes them; blobdata only wraps the batch sampler
-(:class:`~blobdata._lookahead.PlanningBatchSampler`) to publish each epoch's batches, which draws
-nothing from any generator. ``batch_size``, ``sampler``, ``drop_last`` and ``len()`` report what was
-asked for.
+It is a subclass, built from DataLoader's own arguments, so it is used exactly like one, and tools
+that re-instantiate a loader from its constructor's arguments or its attributes (Lightning's
+``_update_dataloader``, to put in a ``DistributedSampler`` or, for ``predict``, a batch sampler that
+records indices) get a working BlobLoader back. The sampler and batch sampler are made as DataLoader
+makes them and are what ``sampler`` and ``batch_sampler`` show; blobdata only wraps the batch sampler
+it *iterates* (:class:`~blobdata._lookahead.PlanningBatchSampler`, DataLoader's ``_index_sampler``) to
+publish each epoch's batches, which draws nothing from any generator. ``batch_size``, ``sampler``,
+``batch_sampler``, ``drop_last`` and ``len()`` report what was asked for; ``len()`` stays the whole
+epoch's batch count after ``load_state_dict`` (as torchdata's ``StatefulDataLoader``), while the resumed
+epoch yields only the batches not yet yielded.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
             )
             dataset = raw_view()
             collate_fn = collate_raw
+        if isinstance(worker_init_fn, _WorkerInit):  # rebuilt from a BlobLoader's attributes
+            worker_init_fn = worker_init_fn.user
         attach = getattr(dataset, "_attach", None)
         if attach is None:
             raise ConfigError(f"BlobLoader reads a blobdata FolderDataset, got {type(dataset).__name__}")
@@ -109,9 +115,12 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         self.channel = PlanChannel()
         attach(self.channel)
         self.progress = Progress(sampler, batch_size)
+        # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
+        # is what tools that rebuild a loader know how to re-make with another sampler.
+        self._planner = PlanningBatchSampler(batches, self.channel, self.progress)
         super().__init__(
             dataset,
-            batch_sampler=PlanningBatchSampler(batches, self.channel, self.progress),
+            batch_sampler=batches,
             num_workers=num_workers,
             collate_fn=TimedCollate(collate_fn or torch.utils.data.default_collate),
             pin_memory=pin_memory,
@@ -134,10 +143,22 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         self._records = Records(self.channel.path)
         self._skips = SkipLog(self.channel.path)
 
+    @property
+    def _index_sampler(self) -> Any:
+        # DataLoader's own property returns `batch_sampler`; the planner wraps it.
+        return self._planner
+
     def __iter__(self) -> Any:
         """DataLoader's iterator, counted (for :meth:`state_dict`) and timed: the seconds the loop
         waits for batches count in :meth:`stats`, and each epoch's end logs a summary on the
         ``blobdata`` logger (INFO)."""
+        if self.num_workers == 0:  # the dataset may serve several loaders: this one's plan now
+            attach = getattr(self.dataset, "_attach", None)
+            if attach is not None:
+                attach(self.channel)
+        # Before DataLoader's iterator draws its base seed from `generator` (which may be the
+        # sampler's): a state taken before the first batch then replays this epoch.
+        self.progress.at_iter()
         dataloader_iter = super().__iter__
         pipeline = self.device_pipeline
         if pipeline is None:

@@ -162,7 +162,9 @@ class PlanningBatchSampler:
         yield from batches
 
     def __len__(self) -> int:
-        return len(self.batch_sampler)
+        # The whole epoch's count, also while an elastic sampler leaves out a resumed epoch's start.
+        extra = self.progress.resumed_batches() if self.progress is not None else 0
+        return len(self.batch_sampler) + extra
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -162,19 +163,40 @@ class Progress:
         self.complete = True
         self._start: dict[str, Any] | None = None  # the sampler's state when the current epoch began
         self._pending: tuple[dict[str, Any], int] | None = None  # (sampler state, batches to skip)
+        self._loaded: dict[str, Any] | None = None  # the state loaded, until its epoch begins
+        self._at_iter: dict[str, Any] | None = None  # the sampler's state at iter(), before the seed draw
+        # An elastic sampler leaves out what a resumed epoch had consumed: the batches that were.
+        self._resumed = 0
+        self._elastic_resume = False
+
+    def at_iter(self) -> None:
+        """Called when the loader's iterator is made, before DataLoader draws its base seed."""
+        if self._pending is None:
+            self._at_iter = capture(self.sampler)
 
     def begin(self) -> int:
         """Called just before the sampler is iterated for an epoch; returns the batches to skip."""
         skip = 0
+        self._at_iter = None
         if self._pending is not None:
             (state, skip), self._pending = self._pending, None
+            self._loaded = None
             if state["kind"] == "generator":
                 self.sampler.generator.set_state(_decode(state["state"]))
         else:
             self.epoch += 1
+            if self._elastic_resume:  # the resumed epoch is over: this one is whole again
+                self.sampler.start = 0
+            self._resumed, self._elastic_resume = 0, False
         self._start = capture(self.sampler)
-        self.batches, self.complete = skip, False
+        self.batches, self.complete = skip + self._resumed, False
         return skip
+
+    def resumed_batches(self) -> int:
+        """Batches of the current epoch an elastic sampler leaves out (``len()`` counts them)."""
+        if self._elastic_resume and getattr(self.sampler, "start", 0) > 0:
+            return self._resumed
+        return 0
 
     def track(self, batches: Iterator[Any]) -> Iterator[Any]:
         """The loader's batches, counted as they are handed out."""
@@ -187,13 +209,19 @@ class Progress:
         return int(getattr(self.sampler, "num_replicas", 1))
 
     def state_dict(self) -> dict[str, Any]:
+        if self._loaded is not None:  # loaded, its epoch not begun: the same position (as StatefulDataLoader)
+            return copy.deepcopy(self._loaded)
         complete = self.complete or self._start is None
-        sampler = capture(self.sampler) if complete else dict(self._start or {})
+        if not complete:
+            sampler = dict(self._start or {})
+        elif self._at_iter is not None:  # between iter() and the epoch's first batch
+            sampler = dict(self._at_iter)
+        else:
+            sampler = capture(self.sampler)
         if sampler["kind"] == "elastic" and not complete:
             n = len(self.sampler.dataset)
-            sampler["start"] = min(
-                n, sampler["start"] + self.batches * (self.batch_size or 1) * self.world_size()
-            )
+            done = (self.batches - self._resumed) * (self.batch_size or 1) * self.world_size()
+            sampler["start"] = min(n, sampler["start"] + done)
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -227,9 +255,12 @@ class Progress:
                     f"the state's sampler seed is {saved['seed']}, this sampler's {self.sampler.seed}"
                 )
             self.sampler.set_epoch(int(saved["epoch"]))
+        self._resumed, self._elastic_resume = 0, False
         if kind == "elastic":
             self.sampler.start = 0 if complete else int(saved["start"])
-            batches = 0  # the sampler itself leaves out what was consumed, at any world size
+            if not complete:  # the sampler itself leaves out what was consumed, at any world size
+                self._resumed, self._elastic_resume = batches, True
+            batches = 0
         elif not complete:
             if saved_world != self.world_size():
                 raise ConfigError(
@@ -245,4 +276,6 @@ class Progress:
             self.sampler.generator.set_state(_decode(saved["state"]))
         self.epoch = epoch
         self.batches, self.complete = 0, True
+        self._start = self._at_iter = None
         self._pending = None if complete else (saved, batches)
+        self._loaded = None if complete else copy.deepcopy(dict(state))

@@ -160,3 +160,78 @@ def test_out_of_order_loaders_have_no_resumable_state(ds: FolderDataset) -> None
     loader = ds.dataloader(batch_size=4, num_workers=2, in_order=False)
     with pytest.raises(ConfigError, match="in_order=True"):
         loader.state_dict()
+
+
+# -- issue 22: what torchdata's StatefulDataLoader protocol promises, and Lightning relies on ----------
+
+
+@pytest.mark.parametrize("how", ["shuffle", "generator", "distributed", "elastic"])
+def test_len_stays_the_whole_epoch_after_a_resume(ds: FolderDataset, how: str) -> None:
+    """Lightning takes the epoch's length from len(loader) and subtracts the batches it counted: a
+    resumed loader must keep the whole epoch's length (StatefulDataLoader does) and yield the rest."""
+    torch.manual_seed(5)
+    full, _ = _epochs(_make(ds, how, 0, world=2), range(2))
+    torch.manual_seed(5)
+    first, state = _epochs(_make(ds, how, 0, world=2), range(1), stop_after=2)
+    resumed = _make(ds, how, 0, world=2)
+    whole = len(resumed)  # 48 samples in batches of 4; a rank of 2 reads 24
+    assert whole == (12 if how in ("shuffle", "generator") else 6)
+    resumed.load_state_dict(state)
+    assert len(resumed) == whole  # before: 4 with the elastic sampler
+    if hasattr(resumed.sampler, "set_epoch"):
+        resumed.sampler.set_epoch(0)
+    rest = [_ids_of(b) for b in resumed]
+    assert len(resumed) == whole and len(rest) == whole - 2
+    if hasattr(resumed.sampler, "set_epoch"):
+        resumed.sampler.set_epoch(1)
+    second = [_ids_of(b) for b in resumed]
+    assert len(second) == whole == len(resumed)  # the next epoch is whole
+    assert first + rest + second == full
+
+
+def test_elastic_len_after_a_resume_at_another_world_size_counts_what_each_run_yields(
+    ds: FolderDataset,
+) -> None:
+    """At another world size, len() is the batches yielded before the stop plus those left here, so
+    that a loop that counts the batches it already ran (Lightning) runs exactly the rest."""
+    loader = _make(ds, "elastic", 0, world=4, rank=0)
+    loader.sampler.set_epoch(0)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    state = loader.state_dict()  # 2 batches x 4 x 4 ranks = 32 of 48 consumed
+    again = _make(ds, "elastic", 0, world=2, rank=1)
+    again.load_state_dict(state)
+    rest = list(again)  # 16 left, 8 for this rank: 2 batches
+    assert len(rest) == 2 and len(again) == 2 + 2
+
+
+def test_state_right_after_loading_is_the_loaded_position(ds: FolderDataset) -> None:
+    """A checkpoint taken after load_state_dict and before the first batch (at train start, or on an
+    early exception) keeps the position; before, it said {batches: 0, complete: true}."""
+    full, _ = _epochs(_make(ds, "generator", 0), range(1))
+    _, state = _epochs(_make(ds, "generator", 0), range(1), stop_after=3)
+    loader = _make(ds, "generator", 0)
+    loader.load_state_dict(state)
+    again = json.loads(json.dumps(loader.state_dict()))
+    assert again == state
+    it = iter(loader)  # made, no batch yet
+    assert loader.state_dict() == state
+    assert _ids_of(next(it)) == full[3]
+    final = _make(ds, "generator", 0)
+    final.load_state_dict(again)
+    assert [_ids_of(b) for b in final] == full[3:]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_state_between_iter_and_the_first_batch_replays_that_epoch(ds: FolderDataset, workers: int) -> None:
+    """With a generator shared by the sampler and the loader, DataLoader draws its base seed from it
+    at iter(); a state taken then must replay the epoch that iterator was going to yield."""
+    loader = _make(ds, "generator", workers)
+    _epochs(loader, range(1))  # one whole epoch first
+    it = iter(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    running = [_ids_of(b) for b in it]
+    resumed = _make(ds, "generator", workers)
+    resumed.load_state_dict(state)
+    assert [_ids_of(b) for b in resumed] == running
