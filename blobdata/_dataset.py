@@ -452,7 +452,11 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         ``loader`` (``target_transform`` still runs in the workers). ``device="cpu"`` runs the same path
         on the CPU. Needs ``pip install 'blobdata[gpu]'`` for CUDA; see :mod:`blobdata.gpu`.
         """
-        return BlobLoader(self, batch_size, shuffle, device=device, gpu_transform=gpu_transform, **kwargs)
+        # All by keyword: Lightning re-makes a loader from the arguments it was made with, adding its
+        # own sampler= and shuffle=, which must not collide with positional ones.
+        return BlobLoader(
+            self, batch_size=batch_size, shuffle=shuffle, device=device, gpu_transform=gpu_transform, **kwargs
+        )
 
     def _raw_view(self) -> FolderDataset:
         """This dataset returning ``(bytes, url, target)`` samples (the device path's workers)."""

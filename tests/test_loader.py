@@ -66,3 +66,67 @@ def test_dataloader_argument_errors(ds: FolderDataset) -> None:
         ds.dataloader(batch_size=None)
     with pytest.raises(ConfigError, match="FolderDataset"):
         BlobLoader(list(range(3)))  # type: ignore[arg-type]
+
+
+# -- issue 22: tools that rebuild a loader (Lightning's _update_dataloader) -----------------------------
+
+
+def _lightning_rebuild(make: Any, sampler: Any, mode: str) -> Any:
+    """What Lightning does to a loader its hooks return: record the constructor's arguments while
+    the hook runs, then re-make the loader with its own sampler."""
+    pytest.importorskip("lightning")
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    with _replace_dunder_methods(torch.utils.data.DataLoader, "dataset"), _replace_dunder_methods(
+        torch.utils.data.BatchSampler
+    ):
+        loader = make()
+    stage = RunningStage.PREDICTING if mode == "predict" else RunningStage.TRAINING
+    return _update_dataloader(loader, sampler, mode=stage)
+
+
+@pytest.mark.parametrize("mode", ["fit", "predict"])
+@pytest.mark.parametrize("how", ["ds.dataloader", "BlobLoader keywords", "attributes"])
+def test_lightning_rebuilds_it_and_it_still_fetches_ahead(ds: FolderDataset, how: str, mode: str) -> None:
+    """Before: ds.dataloader() passed batch_size and shuffle positionally (Lightning: "more than one
+    __init__ argument"), a keyword-built loader exposed its PlanningBatchSampler, which Lightning re-made
+    as PlanningBatchSampler(sampler, 5, False) ('bool' object has no attribute 'begin'), and predict
+    failed on PlanningBatchSampler(..., batch_size=...)."""
+    sampler = torch.utils.data.DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+
+    def make() -> Any:
+        if how == "ds.dataloader":
+            return ds.dataloader(batch_size=5, shuffle=True)
+        return BlobLoader(ds, batch_size=5, shuffle=True)
+
+    if how == "attributes":  # made outside the hook: rebuilt from its attributes
+        pytest.importorskip("lightning")
+        from lightning.pytorch.trainer.states import RunningStage
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        stage = RunningStage.PREDICTING if mode == "predict" else RunningStage.TRAINING
+        rebuilt = _update_dataloader(make(), sampler, mode=stage)
+    else:
+        rebuilt = _lightning_rebuild(make, sampler, mode)
+    assert isinstance(rebuilt, BlobLoader)
+    got = _batches(rebuilt)
+    stats = rebuilt.stats()
+    plain = torch.utils.data.DataLoader(ds, batch_size=5, sampler=sampler)
+    assert got == _batches(plain) and len(rebuilt) == len(plain) == 4
+    assert stats.samples == 19 and stats.samples_staged > 0  # 19 of 37 on rank 1; the look-ahead works
+    if mode == "predict":  # Lightning's index-recording batch sampler saw every batch
+        assert rebuilt.batch_sampler.seen_batch_indices == [list(b) for b in torch.utils.data.BatchSampler(
+            sampler, 5, False)]  # fmt: skip
+
+
+def test_rebuilt_from_attributes_workers_read_the_new_loaders_plan(ds: FolderDataset) -> None:
+    """The worker_init_fn attribute is blobdata's wrapper; a loader re-made from it must not point its
+    workers at the old loader's plan (they would then fetch nothing ahead)."""
+    loader = ds.dataloader(batch_size=4, num_workers=1, shuffle=True)
+    again = BlobLoader(ds, batch_size=4, num_workers=1, sampler=loader.sampler,
+                       worker_init_fn=loader.worker_init_fn)  # fmt: skip
+    assert again.worker_init_fn.user is None  # type: ignore[union-attr]
+    assert sum(len(b[0]) for b in again) == 37
+    assert again.stats().samples_staged > 0

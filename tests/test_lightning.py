@@ -1,0 +1,142 @@
+"""Lightning, for real (issue 22): ``Trainer.fit``, ``predict``, DDP over 2 processes (gloo, CPU) and a
+crash mid-epoch then a resume from the checkpoint, with examples/lightning_datamodule.py's data module
+and model. Each run is a process of its own (tests/support/lightning_app.py, which writes down the
+samples each rank trained on); the checks are on exactly which samples, in which order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from blobdata import ElasticDistributedSampler, FolderDataset
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 200  # 13 batches of 16 on one device, 7 per rank on two
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("lightning") / "train"
+    for i in range(N):
+        d = root / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i}.png").write_bytes(f"{i:016d}".encode())  # the example model reads the first 16 bytes
+    return root
+
+
+def _run(folder: Path, log: Path, *args: str, expect: int = 0, script: str | None = None) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore"}
+    cmd = (
+        [sys.executable, str(ROOT / script)]
+        if script
+        else [sys.executable, "-m", "tests.support.lightning_app"]
+    )
+    cmd += [str(folder)] if script else [str(folder), "--log", str(log)]
+    cwd = log if script else ROOT  # where the example's Trainer writes its logs
+    cwd.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=240)
+    assert done.returncode == expect, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done.stdout
+
+
+def _records(log: Path, rank: int) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (log / f"rank{rank}.jsonl").read_text().splitlines()]
+
+
+def _fit(log: Path, rank: int, epoch: int) -> list[list[int]]:
+    return [r["fit"] for r in _records(log, rank) if "fit" in r and r["epoch"] == epoch]
+
+
+def _expected(folder: Path, epoch: int, world: int, rank: int, batch: int = 16) -> list[list[int]]:
+    """The batches of ids an ElasticDistributedSampler(seed=0) rank reads: DistributedSampler's."""
+    ds = FolderDataset(folder, loader=lambda f: f.read())
+    ids = [int(Path(p).stem) for p, _ in ds.samples]
+    sampler = ElasticDistributedSampler(ds, num_replicas=world, rank=rank, seed=0)
+    sampler.set_epoch(epoch)
+    order = [ids[i] for i in sampler]
+    return [order[k : k + batch] for k in range(0, len(order), batch)]
+
+
+@pytest.mark.parametrize("loader", ["blobdata", "stateful"])
+def test_crash_mid_epoch_then_resume_trains_on_exactly_the_rest(
+    folder: Path, tmp_path: Path, loader: str
+) -> None:
+    """The example's loader (ElasticDistributedSampler), stopped after step 5 of 13 and resumed from
+    the checkpoint: the rest of epoch 0 (8 batches; before, 3: Lightning counts from len(), which
+    dropped to 8), then a whole epoch 1 (before, 8 of 13). torchdata's StatefulDataLoader over the same
+    dataset and sampler runs next to it, as the reference."""
+    log, ckpt = tmp_path / "log", tmp_path / "mid.ckpt"
+    extra = ["--stateful"] if loader == "stateful" else []
+    _run(folder, log, "--fit", "--epochs", "2", "--crash-at", "5", "--ckpt", str(ckpt), *extra, expect=3)
+    assert len(_fit(log, 0, 0)) == 5 and ckpt.exists()
+    _run(folder, log, "--fit", "--epochs", "2", "--resume", str(ckpt), *extra)
+    assert _fit(log, 0, 0) == _expected(folder, 0, 1, 0)  # 5 batches, then the other 8, each sample once
+    assert _fit(log, 0, 1) == _expected(folder, 1, 1, 0)  # a whole second epoch
+    end = _records(log, 0)[-1]["end"]
+    assert end["len"] == 13
+    if loader == "blobdata":
+        assert end["loader"] == "BlobLoader" and end["samples"] == (N - 5 * 16) + N
+
+
+def test_ddp_crash_then_resume_each_rank_exact(folder: Path, tmp_path: Path) -> None:
+    """2 processes (gloo), the example's loader with 2 workers: stopped after step 3 of 7 and
+    resumed, each rank trains on exactly DistributedSampler's share, in its order, in both epochs."""
+    log, ckpt = tmp_path / "log", tmp_path / "mid.ckpt"
+    common = ["--fit", "--epochs", "2", "--devices", "2", "--workers", "2"]
+    _run(folder, log, *common, "--crash-at", "3", "--ckpt", str(ckpt), expect=3)
+    _run(folder, log, *common, "--resume", str(ckpt))
+    for rank in (0, 1):
+        assert _fit(log, rank, 0) == _expected(folder, 0, 2, rank)
+        assert _fit(log, rank, 1) == _expected(folder, 1, 2, rank)
+        assert _records(log, rank)[-1]["end"]["len"] == 7
+
+
+def test_ddp_with_lightnings_own_distributed_sampler(folder: Path, tmp_path: Path) -> None:
+    """use_distributed_sampler=True (the default) and ds.dataloader(batch_size=16, shuffle=True):
+    Lightning rebuilds the loader with its DistributedSampler (before: MisconfigurationException); the
+    rebuilt loader is a BlobLoader that still fetches ahead, the ranks split the folder, and
+    trainer.predict(dataloaders=ds.dataloader(batch_size=16)) returns every sample once."""
+    log = tmp_path / "log"
+    _run(folder, log, "--fit", "--devices", "2", "--workers", "2", "--sampler", "lightning", "--predict")
+    seen: list[int] = []
+    predicted: list[int] = []
+    for rank in (0, 1):
+        records = _records(log, rank)
+        end = next(r["end"] for r in records if "end" in r)
+        assert end["loader"] == "BlobLoader" and end["sampler"] == "DistributedSampler" and end["len"] == 7
+        assert end["samples"] == N // 2 and end["staged"] > 0  # the look-ahead works in the rebuilt loader
+        seen += [i for batch in _fit(log, rank, 0) for i in batch]
+        predicted += [i for r in records if "predict" in r for i in r["predict"]]
+    assert sorted(seen) == list(range(N)) and seen != sorted(seen)  # shuffled, each sample once
+    assert sorted(predicted) == list(range(N))
+
+
+def test_predict_on_one_device_with_a_blobdata_loader(folder: Path, tmp_path: Path) -> None:
+    """trainer.predict(dataloaders=ds.dataloader(batch_size=16)): before, PlanningBatchSampler got an
+    unexpected keyword argument 'batch_size' when Lightning re-made the batch sampler."""
+    log = tmp_path / "log"
+    _run(folder, log, "--predict")
+    ds = FolderDataset(folder, loader=lambda f: f.read())
+    order = [int(Path(p).stem) for p, _ in ds.samples]
+    batches = [r["predict"] for r in _records(log, 0) if "predict" in r]
+    assert batches == [order[k : k + 16] for k in range(0, N, 16)]
+    assert _records(log, 0)[-1] == {"predictions": N}
+
+
+def test_the_example_as_its_readme_runs_it(folder: Path, tmp_path: Path) -> None:
+    """examples/lightning_datamodule.py itself: 2 devices, 2 epochs, then predict."""
+    out = _run(folder, tmp_path, "--devices", "2", "--epochs", "2", "--batch-size", "16", "--predict",
+               script="examples/lightning_datamodule.py")  # fmt: skip
+    for rank in (0, 1):
+        assert f"rank {rank}: {N} samples" in out  # 2 epochs of 100 per rank
+        assert f"rank {rank}: {N // 2} predictions" in out
