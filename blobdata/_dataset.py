@@ -18,10 +18,9 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, overload
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
 
-import numpy as np
 import torch.utils.data
 
 from . import _process, _stats
@@ -31,6 +30,7 @@ from ._decode import decode, decode_with, default_loader
 from ._distributed import shared_manifest
 from ._errors import BlobdataError, ConfigError, note_fields
 from ._fetch import FetchEngine
+from ._imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
 from ._listing import listing_params, load_or_list
 from ._loader import BlobLoader
 from ._lookahead import LookAhead, PlanChannel
@@ -45,51 +45,6 @@ __all__ = ["FolderDataset"]
 log = logging.getLogger("blobdata")
 
 OnError = Literal["raise", "skip"] | Callable[[str, BaseException], None]
-
-
-class _Samples(Sequence[tuple[str, int]]):
-    """``samples`` as ImageFolder has it, ``(path_or_url, class_index)``, built on access from the arrays."""
-
-    def __init__(self, manifest: Manifest, local: bool) -> None:
-        self._m = manifest
-        self._local = local
-
-    def __len__(self) -> int:
-        return len(self._m)
-
-    @overload
-    def __getitem__(self, i: int) -> tuple[str, int]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[tuple[str, int]]: ...
-    def __getitem__(self, i: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
-        if not 0 <= i < len(self):
-            raise IndexError(i)
-        url = self._m.url(i)
-        return (url[len("file://") :] if self._local else url, int(self._m.targets[i]))
-
-
-class _Targets(Sequence[int]):
-    def __init__(self, targets: np.ndarray) -> None:
-        self._t = targets
-
-    def __len__(self) -> int:
-        return len(self._t)
-
-    @overload
-    def __getitem__(self, i: int) -> int: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[int]: ...
-    def __getitem__(self, i: int | slice) -> int | list[int]:
-        if isinstance(i, slice):
-            return [int(x) for x in self._t[i]]
-        return int(self._t[i])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._t.tolist())
 
 
 def _resolve_cache(
@@ -148,7 +103,7 @@ def _close_engine(engine: FetchEngine, pid: int) -> None:
             submit(engine.aclose())
 
 
-class FolderDataset(torch.utils.data.Dataset[Any]):
+class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
     """A folder of class sub-folders in a bucket, with the contract of torchvision's ``ImageFolder``.
 
     ``root`` is any supported URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://`` or a local
@@ -209,13 +164,17 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         cache_size: int | str | None = None,
         cache_policy: Literal["admit", "lru"] | None = None,
     ) -> None:
-        url = parse_url(root)
+        given = os.path.expanduser(root) if isinstance(root, str) else root
+        url = parse_url(given)
+        self.root = given  # as given, as ImageFolder keeps it; the canonical URL is `url`
+        self._url = str(url)
+        local = os.fspath(given) if url.protocol == "file" else None
+        self._local_root = url.prefix if local is not None and local.startswith("file://") else local
         self.cache = _resolve_cache(cache, cache_dir, cache_size, cache_policy)
         if on_error not in ("raise", "skip") and not callable(on_error):
             raise ConfigError(f"on_error must be 'raise', 'skip' or a callable, got {on_error!r}")
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
-        self.root = str(url)
         self._protocol = url.protocol
         self._storage_options = dict(storage_options or {})
         self.transform = transform
@@ -227,22 +186,38 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         self.lookahead = lookahead
         self.lookahead_bytes = parse_size(lookahead_bytes, name="lookahead_bytes")
         self.errors: list[tuple[str, BlobdataError]] = []
+        cls = type(self)
+        own_make = cls.make_dataset is not ImageFolderContract.make_dataset
+        own_find = own_make or cls.find_classes is not ImageFolderContract.find_classes
+        # A make_dataset override chooses among every object below the class folders.
+        exts, valid = (None, every) if own_make else (extensions, is_valid_file)
         make = functools.partial(
             load_or_list,
-            self.root,
+            self._url,
             storage_options=resolve_storage_options(self._protocol, self._storage_options),
             refresh=refresh,
             manifest=os.fspath(manifest) if manifest is not None else None,
-            extensions=extensions,
-            is_valid_file=is_valid_file,
-            allow_empty=allow_empty,
+            extensions=exts,
+            is_valid_file=valid,
+            allow_empty=allow_empty or own_find,
             fetch_options=self.fetch_options,
             max_age=listing_max_age,
+            local_root=self._local_root,
         )
-        key = repr(listing_params(extensions, is_valid_file))
-        self._manifest = shared_manifest(self.root, make, key=key) if share_listing else make()
-        self.classes: list[str] = list(self._manifest.classes)
+        key = repr(listing_params(exts, valid))
+        listed = shared_manifest(self._url, make, key=key) if share_listing else make()
+        self._manifest, self._targets = listed, listed.targets
+        self.classes: list[str] = list(listed.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self._targets_list: list[Any] | None = None  # `targets` once asked for, or as assigned
+        self._imgs: Any = None  # `imgs` as assigned
+        if own_find:
+            token = building.set(Building(self._url, listed, self._local_root))
+            try:
+                got = apply_overrides(self, own_make, extensions, is_valid_file, allow_empty)
+                self._manifest, self._targets, self.classes, self.class_to_idx = got
+            finally:
+                building.reset(token)
         self._channel: PlanChannel | None = None
         self._proc: _Process | None = None
 
@@ -262,17 +237,6 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         """The listing this dataset reads (compact arrays; save it to share it with other nodes)."""
         return self._manifest
 
-    @property
-    def samples(self) -> Sequence[tuple[str, int]]:
-        """``(path_or_url, class_index)`` per sample, built on access (no per-sample Python objects held)."""
-        return _Samples(self._manifest, self._protocol == "file")
-
-    imgs = samples
-
-    @property
-    def targets(self) -> Sequence[int]:
-        return _Targets(self._manifest.targets)
-
     def __len__(self) -> int:
         return len(self._manifest)
 
@@ -280,7 +244,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         opts = f", storage_options={redact(self._storage_options)}" if self._storage_options else ""
         cache = f", cache_dir={self.cache_dir!r}, cache_size={self.cache_size}" if self.cache_dir else ""
         return (
-            f"FolderDataset({self.root!r}, samples={len(self)}, classes={len(self.classes)}{opts}{cache}, "
+            f"FolderDataset({self._url!r}, samples={len(self)}, classes={len(self.classes)}{opts}{cache}, "
             f"transform={self.transform!r})"
         )
 
@@ -289,6 +253,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         state = self.__dict__.copy()
         state["_proc"] = None
         state["errors"] = []
+        state["_targets_list"] = None  # the workers load from the arrays
         return state
 
     # -- reading -----------------------------------------------------------------------------------
@@ -304,7 +269,7 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
             if got:
                 return got[0]
         raise BlobdataError(
-            f"16 consecutive samples from index {index} of {self.root} failed; see the warnings"
+            f"16 consecutive samples from index {index} of {self._url} failed; see the warnings"
         )
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
@@ -317,7 +282,8 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
         v[_stats.FETCH_WAIT_S] += clock() - t
         decoding = transforming = 0.0
         out: list[Any] = []
-        m = self._manifest
+        m, targets = self._manifest, self._targets
+        local = path_prefix(m, self._local_root) if self._local_root is not None else None
         decode_aware = hasattr(self.transform, "decode_and_apply")
         raw = self._raw
         for i, data in zip(idx, datas, strict=True):
@@ -332,15 +298,15 @@ class FolderDataset(torch.utils.data.Dataset[Any]):
                     sample = decode_with(self.transform, data, url)
                     decoding += clock() - t
                 elif self.transform is not None:
-                    sample = decode(data, url, self.loader)
+                    sample = decode(data, url, self.loader, path=local and local + m.relkey(i))
                     t2 = clock()
                     decoding += t2 - t
                     sample = self.transform(sample)
                     transforming += clock() - t2
                 else:
-                    sample = decode(data, url, self.loader)
+                    sample = decode(data, url, self.loader, path=local and local + m.relkey(i))
                     decoding += clock() - t
-                target: Any = int(m.targets[i])
+                target: Any = int(targets[i])
                 if self.target_transform is not None:
                     target = self.target_transform(target)
             except BlobdataError as exc:

@@ -3,8 +3,9 @@
 The default loader decodes with Pillow to RGB straight from memory (no temporary file), accepts only
 the image formats ImageFolder's extensions name (no EPS/PDF/other plugins reached through Pillow's
 content sniffing), and treats Pillow's decompression-bomb guard as an error rather than a warning.
-A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` whose ``name`` is the object
-URL), so loaders written for paths that accept file objects, such as ``PIL.Image.open``, keep working.
+A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` that is also the object's
+path), so loaders written for file objects (``PIL.Image.open``) and for paths (``cv2.imread(str(p))``,
+``open(p)``) both work.
 """
 
 from __future__ import annotations
@@ -28,20 +29,41 @@ IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
 
 
 class ObjectFile(io.BytesIO):
-    """The fetched bytes of one object as a binary file; ``name`` and ``url`` are the object URL.
+    """The fetched bytes of one object as a binary file; ``url`` is the object URL, ``name`` its path
+    for a local folder (as in ``samples``) and its URL for a bucket.
 
-    It is also a path (``os.PathLike``): an ImageFolder-style ``loader(path)`` that calls
-    ``open(path, "rb")`` gets a private temporary copy of the bytes (mode 0600, same file suffix as the
-    object), removed when the loader returns. Loaders that read the file object pay nothing for it.
+    It is also a path, as ImageFolder's loaders expect: ``os.fspath(f)``, ``str(f)`` and ``open(f)``
+    give the file itself for a local folder, and for a bucket a private temporary copy of the bytes
+    (mode 0600, same file suffix as the object), removed when the loader returns; ``str``'s methods
+    (``f.lower()``, ``f.endswith(".png")``) act on that path. Loaders that read the file object pay
+    nothing for it.
     """
 
-    def __init__(self, data: bytes, url: str) -> None:
+    def __init__(self, data: bytes, url: str, path: str | None = None) -> None:
         super().__init__(data)
-        self.name = url
+        self.name = path if path is not None else url
         self.url = url
+        self._local = path  # the object's own file (local folders): never removed
         self._path: str | None = None
 
+    def __str__(self) -> str:
+        return self.__fspath__()
+
+    def __getattr__(self, name: str) -> Any:
+        # str's methods (lower, endswith, split, ...) on the path, for loaders written for str paths.
+        if name in _STR_ONLY:
+            return getattr(self.__fspath__(), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __add__(self, other: str) -> str:
+        return self.__fspath__() + other
+
+    def __radd__(self, other: str) -> str:
+        return other + self.__fspath__()
+
     def __fspath__(self) -> str:
+        if self._local is not None:
+            return self._local
         if self._path is None:
             suffix = os.path.splitext(self.url.rsplit("/", 1)[-1])[1][:16]
             fd, path = tempfile.mkstemp(prefix="blobdata-", suffix=suffix, dir=_tmp_dir())
@@ -61,6 +83,9 @@ class ObjectFile(io.BytesIO):
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+
+
+_STR_ONLY = frozenset(n for n in dir(str) if not n.startswith("_")) - frozenset(dir(io.BytesIO))
 
 
 def _tmp_dir() -> str | None:
@@ -84,9 +109,10 @@ def decode_with(transform: Any, data: bytes, url: str) -> Any:
     return decode(data, url, lambda _file: transform.decode_and_apply(data, url))
 
 
-def decode(data: bytes, url: str, loader: Callable[[Any], Any]) -> Any:
-    """Run ``loader`` on the bytes of ``url``; any failure becomes a :class:`DecodeError` naming the URL."""
-    file = ObjectFile(data, url)
+def decode(data: bytes, url: str, loader: Callable[[Any], Any], *, path: str | None = None) -> Any:
+    """Run ``loader`` on the bytes of ``url`` (whose local file is ``path``, for a local folder); any
+    failure becomes a :class:`DecodeError` naming the URL."""
+    file = ObjectFile(data, url, path)
     try:
         return loader(file)
     except DecodeError:

@@ -15,7 +15,6 @@ attempts), and backend errors are stated by the one error map, :func:`blobdata._
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -31,6 +30,7 @@ from ._errors import (
     ManifestError,
     NotFound,
 )
+from ._filters import UNIDENTIFIED, filter_identity
 from ._loop import run
 from ._manifest import Manifest, manifest_path
 from ._retry import final_error
@@ -42,9 +42,9 @@ __all__ = ["IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list"
 
 logger = logging.getLogger(__name__)
 
-#: torchvision's IMG_EXTENSIONS, matched case-insensitively against the end of the file name.
+#: torchvision's IMG_EXTENSIONS. As in torchvision, the file name is lower-cased and the extensions
+#: are not: ``a.JPG`` matches ``".jpg"``, and ``".JPG"`` matches nothing.
 IMG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
 
 
 # -- ImageFolder semantics ----------------------------------------------------------------------
@@ -59,17 +59,17 @@ def _ext_tuple(extensions: tuple[str, ...] | str | None) -> tuple[str, ...]:
 def _validator(
     extensions: tuple[str, ...] | None, is_valid_file: Callable[[str], bool] | None
 ) -> tuple[Callable[[str, str], bool], tuple[str, ...] | None]:
-    """(check(relkey, url), effective extensions) following ImageFolder's rules."""
+    """(check(relkey, path), effective extensions) following ImageFolder's rules; ``path`` is what
+    ``is_valid_file`` receives (a local path for a local folder, else the object URL)."""
     if extensions is not None and is_valid_file is not None:
         raise ConfigError(
             "extensions and is_valid_file cannot both be given (as in torchvision's ImageFolder)"
         )
     if is_valid_file is not None:
         fn = is_valid_file
-        return (lambda relkey, url: not relkey.endswith("/") and bool(fn(url))), None
+        return (lambda relkey, path: not relkey.endswith("/") and bool(fn(path))), None
     exts = _ext_tuple(extensions)
-    lowered = tuple(e.lower() for e in exts)
-    return (lambda relkey, url: not relkey.endswith("/") and relkey.lower().endswith(lowered)), exts
+    return (lambda relkey, path: not relkey.endswith("/") and relkey.lower().endswith(exts)), exts
 
 
 def _walk_order(relkey: str) -> tuple[str, str]:
@@ -83,20 +83,17 @@ def listing_params(
 ) -> dict[str, Any]:
     """The parameters a listing depends on, as stored in (and hashed into the name of) a manifest.
 
-    A callable ``is_valid_file`` is identified by its qualified name and a hash of its code and
-    constants: best effort; list with ``refresh=True`` after changing what it captures.
+    A callable ``is_valid_file`` is identified by :func:`~blobdata._filters.filter_identity` (its code,
+    defaults, closure and the globals it reads); one that cannot be identified is ``UNIDENTIFIED``, and
+    its listings are never remembered.
     """
     params: dict[str, Any] = {"extensions": None, "is_valid_file": None}
     if is_valid_file is not None:
-        code = getattr(is_valid_file, "__code__", None)
-        digest = hashlib.sha256(repr((code.co_code, code.co_consts)).encode() if code else b"").hexdigest()[
-            :16
-        ]
+        ident = filter_identity(is_valid_file)
         name = f"{getattr(is_valid_file, '__module__', '?')}.{getattr(is_valid_file, '__qualname__', '?')}"
-        params["is_valid_file"] = f"{name}#{digest}"
+        params["is_valid_file"] = UNIDENTIFIED if ident is None else f"{name}#{ident}"
     else:
-        exts = _ext_tuple(extensions)
-        params["extensions"] = sorted(e.lower() for e in exts)
+        params["extensions"] = sorted(_ext_tuple(extensions))
     return params
 
 
@@ -126,6 +123,8 @@ async def list_with(
 ) -> tuple[list[str], list[list[Entry]]]:
     root = str(url)
     names, anything = await lister.folders()
+    if not anything and url.protocol == "file" and os.path.isdir(url.prefix):
+        anything = True  # an empty folder: said as torchvision says it, below
     if not anything:
         where = "the path (no such local folder, or it is empty)" if url.protocol == "file" else (
             "the bucket and prefix"
@@ -134,7 +133,8 @@ async def list_with(
                        "per class", url=root)  # fmt: skip
     classes = sorted(set(n for n in names if n))
     if not classes:
-        raise EmptyDatasetError(f"Couldn't find any class folder in {root}.", url=root)
+        where = url.prefix if url.protocol == "file" else root
+        raise EmptyDatasetError(f"Couldn't find any class folder in {where}.", url=root)
     sem = asyncio.Semaphore(concurrency)
 
     # "" is the folder of keys such as root//x.jpg: listed only to report them as skipped.
@@ -173,11 +173,14 @@ def list_folder(
     concurrency: int | None = None,
     fetch_options: FetchOptions | None = None,
     progress: bool | None = None,
+    local_root: str | None = None,
 ) -> Manifest:
     """List ``url`` (a folder with one sub-folder per class) into a Manifest, ImageFolder order.
 
-    ``extensions`` defaults to :data:`IMG_EXTENSIONS` (case-insensitive); ``is_valid_file``
-    receives each object's URL and excludes ``extensions``. ``fetch_options`` (default
+    ``extensions`` defaults to :data:`IMG_EXTENSIONS` (the file name lower-cased, as torchvision
+    does); ``is_valid_file`` excludes ``extensions`` and receives each object's URL, or for a local
+    folder its path, joined as ImageFolder joins it to ``local_root`` (the root as the caller wrote
+    it; default: the absolute path). ``fetch_options`` (default
     ``FetchOptions()``) bound every listing request: its timeout, its attempts, and its concurrency
     (class prefixes listed at once), which ``concurrency`` overrides. ``progress``: a bar of prefixes
     and objects listed on stderr (None: when it is a terminal; see :mod:`blobdata._progress`).
@@ -200,13 +203,16 @@ def list_folder(
         raise final_error(exc, root, store=parsed.protocol, what="listing", timeout=options.timeout) from exc
     # Filtering (a user callable) and sorting run here, in the caller's thread, not on the I/O loop.
     prefix = root + "/"
+    if parsed.protocol == "file":
+        under = local_root if local_root is not None else parsed.prefix
+        prefix = under if under.endswith(os.sep) else under + os.sep
     per_class: list[list[Entry]] = []
     for objs in results[: len(classes)]:
         kept = [o for o in objs if check(o[0], prefix + o[0])]
         kept.sort(key=lambda o: _walk_order(o[0]))
         per_class.append(kept)
     skipped = (
-        [prefix + o[0] for o in results[len(classes)] if not o[0].endswith("/")]
+        [root + "/" + o[0] for o in results[len(classes)] if not o[0].endswith("/")]
         if len(results) > len(classes)
         else []
     )
@@ -229,6 +235,15 @@ def list_folder(
     if not allow_empty:
         _check_nonempty(manifest, exts)
     return manifest
+
+
+_said: set[str] = set()
+
+
+def _say_once(key: str, msg: str, *args: Any) -> None:
+    if key not in _said:
+        _said.add(key)
+        logger.warning(msg, *args)
 
 
 def _human_age(seconds: float) -> str:
@@ -261,6 +276,7 @@ def load_or_list(
     save: bool = True,
     progress: bool | None = None,
     max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
+    local_root: str | None = None,
 ) -> Manifest:
     """The remembered listing of ``url``.
 
@@ -287,6 +303,16 @@ def load_or_list(
     # Local folders are listed afresh every time, as ImageFolder does (it costs a directory walk);
     # memory:// lives and dies with the process.
     remember = save and parsed.protocol not in ("memory", "file")
+    if remember and params["is_valid_file"] == UNIDENTIFIED:
+        remember = False  # a listing made with another filter must never come back for this one
+        _say_once(
+            f"is_valid_file={getattr(is_valid_file, '__qualname__', type(is_valid_file).__name__)}",
+            "listing %s afresh: is_valid_file=%r holds something blobdata cannot identify (an object "
+            "with state?), so no remembered listing can be known to match it; a plain function, "
+            "lambda, closure or functools.partial over plain values is remembered",
+            root,
+            is_valid_file,
+        )
     limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
     path = manifest_path(root, listing_scope(parsed.protocol, opts), params)
     if remember and not refresh and path.exists():
@@ -315,6 +341,7 @@ def load_or_list(
         concurrency=concurrency,
         fetch_options=fetch_options,
         progress=progress,
+        local_root=local_root,
     )
     if remember:
         try:

@@ -3,8 +3,9 @@
     torchrun --nproc-per-node 2 examples/train_ddp.py s3://bucket/train --smoke \
         --cache-dir /mnt/nvme/blobdata --checkpoint /shared/ckpt --epochs 3
 
-The model is a toy (CPU, gloo, a linear layer over each object's first 16 bytes, objects named
-``<number>.<ext>``), as the tests run it; put your model, transform and backend (NCCL) in its place.
+The model is a toy (CPU, gloo, a linear layer over each object's first 16 bytes; any folder, such as
+``blobdata.testing.synthetic_dataset``'s), as the tests run it; put your model, transform and backend
+(NCCL) in its place.
 
 - The listing is made once for the job: rank 0 lists (or loads the remembered listing) and the
   other ranks receive it through the process group.
@@ -37,10 +38,16 @@ from torch.utils.data.distributed import DistributedSampler
 from blobdata import ElasticDistributedSampler, FolderDataset
 
 
-def smoke_sample(f: Any) -> tuple[int, torch.Tensor]:
-    """Smoke mode's loader: the object's number (its file name) and its first 16 bytes as features."""
-    head = f.read(16).ljust(16, b"\0")
-    return int(Path(f.name).stem), torch.frombuffer(bytearray(head), dtype=torch.uint8).float() / 255
+class SmokeSample:
+    """Smoke mode's loader: the sample's index in ``ds.samples`` (its id in ``--ids-log``) and the
+    object's first 16 bytes as features. Object names are free (``n01440764_10026.JPEG`` too)."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, int] = {}  # path or URL -> sample index, filled once the dataset is listed
+
+    def __call__(self, f: Any) -> tuple[int, torch.Tensor]:
+        head = f.read(16).ljust(16, b"\0")
+        return self.index[f.name], torch.frombuffer(bytearray(head), dtype=torch.uint8).float() / 255
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -77,13 +84,15 @@ def main() -> None:
         raise SystemExit("this example's model is a toy over raw bytes: run it with --smoke, or put yours in")
 
     backend = "gloo" if args.smoke or not torch.cuda.is_available() else "nccl"
-    kw: dict[str, Any] = {"cache_dir": args.cache_dir, "loader": smoke_sample} if args.smoke else {}
+    smoke_sample = SmokeSample()
+    kw: dict[str, Any] = {"cache": args.cache_dir, "loader": smoke_sample} if args.smoke else {}
     if args.list_before_init:  # torchrun's variables are enough: rank 0 hands the listing over a file
         ds = FolderDataset(args.url, **{k: v for k, v in kw.items() if v is not None})
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if not args.list_before_init:
         ds = FolderDataset(args.url, **{k: v for k, v in kw.items() if v is not None})
+    smoke_sample.index = {path: i for i, (path, _) in enumerate(ds.samples)}  # the workers get a copy
     torch.manual_seed(0)
     if args.sampler == "shuffle":
         loader = ds.dataloader(batch_size=args.batch_size, shuffle=True, num_workers=args.workers)

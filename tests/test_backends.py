@@ -114,7 +114,7 @@ def test_listing_has_imagefolder_order(any_bucket: TestBucket) -> None:
     ds = FolderDataset(root, storage_options=any_bucket.storage_options, lookahead=0)
     assert ds.classes == ["cat", "dog"]
     assert ds.class_to_idx == {"cat": 0, "dog": 1}
-    prefix = ds.root if any_bucket.scheme != "file" else ds.root[len("file://") :]
+    prefix = ds.url if any_bucket.scheme != "file" else ds.url[len("file://") :]
     got = [(path[len(prefix) + 1 :], t) for path, t in ds.samples]
     assert got == [(k, t) for k, t in EXPECTED]
     assert list(ds.targets) == [t for _, t in EXPECTED]

@@ -122,6 +122,22 @@ def _steps(state: dict[str, Any], world: int) -> int:
 
 
 @pytest.mark.timeout(300)
+def test_smoke_example_runs_on_the_test_kits_synthetic_dataset(
+    s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path: Path
+) -> None:
+    """blobdata.testing.synthetic_dataset's keys (train/n00000001/n00000001_125.JPEG): before, --smoke
+    failed with DecodeError "invalid literal for int() 'n00000001_125'"."""
+    from blobdata.testing import synthetic_dataset
+
+    s3_bucket.put_many(dict(synthetic_dataset(24, num_classes=3, prefix="kit")))
+    log = tmp_path / "log"
+    _finish(_torchrun(s3_bucket.url("kit"), _env(s3_proxy), "--epochs", "1", "--workers", "1",
+                      "--ids-log", str(log), nproc=2))  # fmt: skip
+    shares = [sorted(i for _, ids in batches for i in ids) for _, batches in _logs(log).values()]
+    assert len(shares) == 2 and sorted(shares[0] + shares[1]) == list(range(24))
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_one_listing_per_job_identical_tables_disjoint_shares(
     s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path: Path, nproc: int

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import re
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -126,15 +129,33 @@ def test_parity_local(local_tree: Path) -> None:
 
 
 def test_parity_local_with_extensions_and_is_valid_file(local_tree: Path) -> None:
-    m = list_folder(str(local_tree), extensions=(".png", ".TIFF", ".PPM"))
-    assert_parity(m, reference_make_dataset(str(local_tree), extensions=(".png", ".tiff", ".ppm")))
+    # As torchvision: the file name is lower-cased, the extensions are not (".TIFF" matches nothing,
+    # ".png" matches y.PNG). Before, both were lower-cased and ".TIFF" matched 0.TIFF.
+    exts = (".png", ".TIFF", ".ppm")
+    m = list_folder(str(local_tree), extensions=exts)
+    assert_parity(m, reference_make_dataset(str(local_tree), extensions=exts))
+    assert "a/sub/0.TIFF" not in pairs_keys(m) and "b/x/y.PNG" in pairs_keys(m)
 
     def no_digits(path: str) -> bool:
         return not any(ch.isdigit() for ch in os.path.basename(path))
 
-    # is_valid_file sees the object URL; for local folders that is file:// + the path.
+    seen: list[str] = []
+
+    def opens(path: str) -> bool:  # a filter that opens the file, as corrupt-image filters do
+        seen.append(path)
+        with open(path, "rb") as fh:
+            return fh.read(1) != b"s"  # "skip"
+
+    # is_valid_file sees what ImageFolder gives it: for a local folder, the path (before: a file:// URL).
     m2 = list_folder(str(local_tree), is_valid_file=no_digits)
     assert_parity(m2, reference_make_dataset(str(local_tree), is_valid_file=no_digits))
+    m3 = list_folder(str(local_tree), is_valid_file=opens)
+    assert_parity(m3, reference_make_dataset(str(local_tree), is_valid_file=opens))
+    assert seen and all(p.startswith(str(local_tree) + "/") for p in seen)
+
+
+def pairs_keys(m: Manifest) -> list[str]:
+    return [m.relkey(i) for i in range(len(m))]
 
 
 def test_parity_memory(local_tree: Path, memory_root: str) -> None:
@@ -537,3 +558,81 @@ def test_lean_s3_path_only_for_what_it_supports() -> None:
         {"username": "k"},
     ):
         assert not _lean_s3({**base, **extra}), extra
+
+
+# -- issue 22: a remembered listing is never reused for another is_valid_file -------------------------
+
+
+def only(ext: str) -> Callable[[str], bool]:
+    def check(path: str) -> bool:  # the pattern torchvision's own tests use
+        return path.endswith(ext)
+
+    return check
+
+
+SUFFIX = ".png"
+
+
+def by_global(path: str) -> bool:
+    return path.endswith(SUFFIX)
+
+
+class Stateful:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, path: str) -> bool:
+        self.calls += 1
+        return True
+
+
+def test_filters_are_identified_by_what_they_depend_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from blobdata._filters import filter_identity
+
+    ids = {name: filter_identity(fn) for name, fn in {
+        "png": only(".png"), "png again": only(".png"), "jpeg": only(".jpeg"),
+        "lambda png": lambda p: p.endswith(".png"), "lambda jpeg": lambda p: p.endswith(".jpeg"),
+        "partial png": functools.partial(str.endswith, suffix=".png"),
+        "global": by_global,
+    }.items()}  # fmt: skip
+    assert None not in ids.values()
+    assert ids["png"] == ids["png again"]  # the same code over the same values: the same filter
+    assert len({ids[k] for k in ids if k != "png again"}) == len(ids) - 1  # all others differ
+    monkeypatch.setattr(sys.modules[__name__], "SUFFIX", ".jpeg")
+    assert filter_identity(by_global) != ids["global"]  # a global it reads changed
+    assert filter_identity(Stateful()) is None
+    assert filter_identity(only(re.compile(r"\.png$").pattern)) is not None
+
+
+@pytest.mark.network
+def test_another_filter_of_the_same_code_is_never_given_a_remembered_listing(
+    s3_bucket: Any, s3_proxy: Any, isolated_cache_home: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: only('.png') then only('.jpeg') (closures of one code) got the same remembered listing,
+    12 and 12 samples where ImageFolder gives 12 and 1."""
+    s3_bucket.put_many({f"train/c{i % 2}/{i}.png": b"p" for i in range(12)} | {"train/c1/x.jpeg": b"j"})
+    url, opts = s3_bucket.url("train"), s3_proxy.storage_options
+    pngs = load_or_list(url, storage_options=opts, is_valid_file=only(".png"))
+    jpegs = load_or_list(url, storage_options=opts, is_valid_file=only(".jpeg"), allow_empty=True)
+    assert (len(pngs), len(jpegs)) == (12, 1)
+    s3_proxy.reset_counts()
+    again = load_or_list(url, storage_options=opts, is_valid_file=only(".png"))
+    assert len(again) == 12 and _listing_requests(s3_proxy) == []  # the same filter: remembered
+    # A filter that cannot be identified: listed afresh every time, said once on the logger.
+    caplog.set_level(logging.WARNING, logger="blobdata")
+    for _ in range(2):
+        s3_proxy.reset_counts()
+        assert len(load_or_list(url, storage_options=opts, is_valid_file=Stateful())) == 13
+        assert _listing_requests(s3_proxy)
+    said = [r for r in caplog.records if "afresh" in r.getMessage()]
+    assert len(said) == 1 and "Stateful" in said[0].getMessage()
+
+
+def test_an_empty_local_folder_is_said_as_torchvision_says_it(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"^Couldn't find any class folder in /.*/empty\.$"):
+        list_folder(str(tmp_path / "empty"))
+    (tmp_path / "flat").mkdir()
+    (tmp_path / "flat" / "a.jpg").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match=r"^Couldn't find any class folder in /.*/flat\.$"):
+        list_folder(str(tmp_path / "flat"))
