@@ -235,3 +235,20 @@ def test_state_between_iter_and_the_first_batch_replays_that_epoch(ds: FolderDat
     resumed = _make(ds, "generator", workers)
     resumed.load_state_dict(state)
     assert [_ids_of(b) for b in resumed] == running
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata 0.11 on torch 2.13
+def test_a_stateful_dataloader_checkpoint_is_refused_clearly(ds: FolderDataset) -> None:
+    """The README says the formats do not interoperate: a StatefulDataLoader state is refused with a
+    ConfigError, not misread; switching at an epoch boundary gives the same next epoch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    theirs = StatefulDataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3))
+    it = iter(theirs)
+    next(it)
+    with pytest.raises(ConfigError, match="not a blobdata loader state"):
+        _make(ds, "generator", 0).load_state_dict(theirs.state_dict())
+    ours = _make(ds, "generator", 0)  # same seed: the same epoch as a plain DataLoader's
+    gen = torch.Generator().manual_seed(3)
+    plain = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, generator=gen)
+    assert [_ids_of(b) for b in ours] == [_ids_of(b) for b in plain]
