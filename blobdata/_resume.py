@@ -33,6 +33,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ._distributed import dist_info
 from ._errors import ConfigError
+from ._partition import PartitionedSampler
 
 __all__ = ["STATE_VERSION", "ElasticDistributedSampler", "Progress", "node_share", "own_generator"]
 
@@ -141,6 +142,8 @@ def _decode(text: Any) -> torch.Tensor:
 
 def capture(sampler: Any) -> dict[str, Any]:
     """The sampler's state needed to replay its next epoch (JSON-friendly)."""
+    if isinstance(sampler, PartitionedSampler):
+        return sampler.loader_state()
     if isinstance(sampler, ElasticDistributedSampler):
         return {"kind": "elastic", "seed": sampler.seed, "epoch": sampler.epoch, "start": sampler.start}
     if isinstance(sampler, DistributedSampler):
@@ -194,6 +197,8 @@ class Progress:
             sampler["start"] = min(
                 n, sampler["start"] + self.batches * (self.batch_size or 1) * self.world_size()
             )
+        if sampler["kind"] == "partitioned" and not complete:
+            sampler = self.sampler.state_after(sampler, self.batches * (self.batch_size or 1))
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -227,7 +232,10 @@ class Progress:
                     f"the state's sampler seed is {saved['seed']}, this sampler's {self.sampler.seed}"
                 )
             self.sampler.set_epoch(int(saved["epoch"]))
-        if kind == "elastic":
+        if kind == "partitioned":
+            self.sampler.load_loader_state(saved, complete=complete)
+            batches = 0  # the sampler leaves out what was consumed, at any layout
+        elif kind == "elastic":
             self.sampler.start = 0 if complete else int(saved["start"])
             batches = 0  # the sampler itself leaves out what was consumed, at any world size
         elif not complete:
