@@ -17,7 +17,6 @@ its own new share (see :mod:`blobdata._shares`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 from ._config import env
 from ._distributed import dist_info
 from ._errors import ConfigError
-from ._shares import Layout, epoch_orders, node_share, rank_stream
+from ._shares import Layout, canonical_nodes, epoch_orders, node_share, rank_stream
 
 __all__ = ["PartitionedSampler"]
 
@@ -93,13 +92,11 @@ class PartitionedSampler(DistributedSampler[int]):
                 "ranks each (it must divide num_replicas)"
             )
         nnodes = world // per_node
-        k = nnodes if num_canonical_nodes is None else _int("num_canonical_nodes", num_canonical_nodes)
-        if k < 1 or (k % nnodes and nnodes % k):
-            raise ConfigError(
-                f"PartitionedSampler: num_canonical_nodes={k} must be a multiple or a divisor of the "
-                f"number of nodes ({nnodes}); choose one that every node count you run on divides "
-                f"(e.g. {math.lcm(max(k, 1), nnodes)})"
-            )
+        try:
+            given = None if num_canonical_nodes is None else _int("num_canonical_nodes", num_canonical_nodes)
+            k = canonical_nodes(given, nnodes)
+        except ConfigError as exc:
+            raise ConfigError(f"PartitionedSampler: {exc}") from None
         if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
             raise ConfigError(f"PartitionedSampler: mix must be a fraction in [0, 1], got {mix!r}")
         super().__init__(

@@ -26,11 +26,14 @@ generators, so a share does not depend on numpy's version (a cache warmed by one
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Layout", "epoch_orders", "fixed_order", "node_share", "rank_stream"]
+from ._errors import ConfigError
+
+__all__ = ["Layout", "canonical_nodes", "epoch_orders", "fixed_order", "node_share", "rank_stream"]
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -79,6 +82,18 @@ def fixed_order(n: int, seed: int) -> np.ndarray:
 def node_share(n: int, *, seed: int, nnodes: int, node: int) -> np.ndarray:
     """The samples node ``node`` of ``nnodes`` holds every epoch (without ``mix``), in index order."""
     return np.sort(fixed_order(n, seed)[node * n // nnodes : (node + 1) * n // nnodes])
+
+
+def canonical_nodes(k: int | None, nnodes: int) -> int:
+    """``num_canonical_nodes`` (``k``, default ``nnodes``), checked: a multiple or a divisor of ``nnodes``,
+    so that a node holds whole canonical shares or a fixed part of one."""
+    k = nnodes if k is None else int(k)
+    if k < 1 or (k % nnodes and nnodes % k):
+        raise ConfigError(
+            f"num_canonical_nodes={k} must be a multiple or a divisor of the number of nodes ({nnodes}); "
+            f"choose one that every node count you run on divides (e.g. {math.lcm(max(k, 1), nnodes)})"
+        )
+    return k
 
 
 class Layout:
