@@ -126,3 +126,22 @@ def test_a_state_from_another_sampler_setting_is_refused(ds: FolderDataset) -> N
     )
     with pytest.raises(ConfigError, match="mix"):
         mixed.load_state_dict(state)
+
+
+def test_dataloader_shorthand_makes_the_jobs_partitioned_sampler(
+    ds: FolderDataset, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)  # as torchrun sets them, on node 1 of 2
+    loader = ds.dataloader(batch_size=4, sampler="partitioned")
+    sampler = loader.sampler
+    assert isinstance(sampler, PartitionedSampler)
+    assert (sampler.nnodes, sampler.node_rank, sampler.local_rank, sampler.shuffle) == (2, 1, 1, True)
+    sampler.set_epoch(0)
+    got = [i for b in loader for i in _batch_ids(b)]
+    assert got == sampler.indices().tolist() and set(got) <= set(
+        node_share(100, seed=0, nnodes=2, node=1).tolist()
+    )
+    assert ds.dataloader(batch_size=4, sampler="partitioned", shuffle=False).sampler.shuffle is False
+    with pytest.raises(ConfigError, match="partitioned"):
+        ds.dataloader(batch_size=4, sampler="random")
