@@ -193,3 +193,11 @@ def test_cache_trim_with_a_share_keeps_that_share(
     assert share <= kept and len(kept) < 40
     assert main(["cache", "trim", str(folder), "--cache-dir", str(cache), "--cache-size", "1MB"]) == 2
     assert "--nnodes" in capsys.readouterr().err
+
+
+def test_inspecting_a_directory_without_a_cache_creates_nothing(tmp_path: Path) -> None:
+    from blobdata import CacheError
+
+    with pytest.raises(CacheError, match="no cache"):
+        BlobCache.inspect(tmp_path / "nowhere")
+    assert not (tmp_path / "nowhere").exists()

@@ -157,9 +157,13 @@ class BlobCache(TrimOps):
     def inspect(cls, directory: str | os.PathLike[str], *, size_limit: int | None = None) -> BlobCache:
         """The cache in ``directory`` opened to look at, trim or clear it: it records no limit and
         trims nothing when it opens. Its ``size_limit`` (what :meth:`trim` aims at) is ``size_limit``,
-        else the one the last opener recorded (0 if none)."""
+        else the one the last opener recorded (0 if none). Raises :class:`CacheError` (creating
+        nothing) if ``directory`` holds no cache."""
+        path = os.fspath(directory)
+        if not os.path.isfile(os.path.join(path, DB_NAME)):
+            raise CacheError(f"no cache at {path}: it holds no cache index", url=path)
         cache = cls.__new__(cls)
-        cache._setup(os.fspath(directory), 0, "admit")
+        cache._setup(path, 0, "admit")
         cache._passive = True
         db = cache._connect().db
         cache._size_limit = size_limit if size_limit is not None else (recorded_bound(db) or 0)
