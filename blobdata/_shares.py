@@ -155,8 +155,9 @@ def _fit(orders: list[np.ndarray], total: int, layout: Layout, drop_last: bool) 
         if len(o) < want and len(spill):
             take, spill = spill[: want - len(o)], spill[want - len(o) :]
             o = np.concatenate([o, take])
-        if len(o) < want:
-            o = np.resize(o if len(o) else np.concatenate(orders), want)
+        if len(o) < want:  # pad by repeating the start (of all there is, if this node has nothing)
+            pad = o if len(o) else np.concatenate(orders)
+            o = np.resize(pad if len(pad) else np.zeros(1, np.int64), want)  # fewer samples than nodes: 0
         out.append(o.astype(np.int64, copy=False))
     return out
 
