@@ -18,7 +18,8 @@ reads per epoch when every node has a cache smaller than the dataset.
    epochs 1-5: bucket reads per epoch as a share of the dataset, summed over the nodes. A faithful
    simulation at ImageNet's size (each node's order as the sampler deals it, object sizes drawn
    around 110 KB, the cache's 4 KiB pack alignment; index pages, ~0.1% here, left out), checked
-   against the real ``BlobCache`` (put/get of real bytes) on a small dataset.
+   against the real ``BlobCache`` (put/get of real bytes) on a small dataset. "mix=0.1" rows show
+   what ``PartitionedSampler(mix=0.1)`` costs.
 
     python benchmarks/bench_partition.py [--quick] [--json out.json] [--parts quality,cost,model,cache]
 
@@ -65,9 +66,11 @@ def class_sorted_labels(n: int, classes: int, seed: int = 0) -> np.ndarray:
 
 
 def node_orders(sampler: str, n: int, layout: Layout, epoch: int, seed: int = 0) -> list[np.ndarray]:
-    """Each node's samples for ``epoch`` in the order its ranks read them (rank-interleaved)."""
-    if sampler == "partitioned":
-        return epoch_orders(n, seed=seed, epoch=epoch, layout=layout)
+    """Each node's samples for ``epoch`` in the order its ranks read them (rank-interleaved).
+    ``sampler``: "distributed", "partitioned", "partitioned mix=F" or "contiguous shares"."""
+    if sampler.startswith("partitioned"):
+        mix = float(sampler.partition("mix=")[2] or 0)
+        return epoch_orders(n, seed=seed, epoch=epoch, layout=layout, mix=mix)
     w, p = layout.world, layout.nproc
     per_rank = -(-n // w)
     if sampler == "distributed":  # DistributedSampler's own permutation: torch.randperm(seed + epoch)
@@ -296,7 +299,7 @@ def cache_tables(n: int, nodes: list[int], fractions: list[int], epochs: int, ch
     rows, data = [], []
     for nnodes in nodes:
         for frac in fractions:
-            for sampler in ("distributed", "partitioned"):
+            for sampler in ("distributed", "partitioned", *(["partitioned mix=0.1"] if frac == 8 else [])):
                 reads = simulate(sampler, sizes, Layout(nnodes, 8), 1 / frac, epochs)
                 data.append({"nodes": nnodes, "cache": f"1/{frac}", "sampler": sampler, "reads": reads})
                 rows.append([str(nnodes), f"1/{frac}", sampler, *(f"{r / n:.1%}" for r in reads)])
