@@ -31,11 +31,13 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from ._dataset import FolderDataset
     from ._loader import BlobLoader
+    from ._partition import PartitionedSampler
     from ._resume import ElasticDistributedSampler
 
 
 def __getattr__(name: str) -> object:
-    # FolderDataset and BlobLoader need torch (seconds to import); the command line and the cache do not.
+    # FolderDataset, BlobLoader and the samplers need torch (seconds to import); the command line and
+    # the cache do not.
     if name == "FolderDataset":
         from ._dataset import FolderDataset
 
@@ -44,6 +46,10 @@ def __getattr__(name: str) -> object:
         from ._loader import BlobLoader
 
         return BlobLoader
+    if name == "PartitionedSampler":
+        from ._partition import PartitionedSampler
+
+        return PartitionedSampler
     if name == "ElasticDistributedSampler":
         from ._resume import ElasticDistributedSampler
 
@@ -73,6 +79,7 @@ __all__ = [
     "ManifestError",
     "NotFound",
     "ObjectChanged",
+    "PartitionedSampler",
     "Throttled",
     "WarmSummary",
     "__version__",

@@ -3,9 +3,11 @@
 ::
 
     blobdata warm s3://bucket/train --cache-dir /mnt/nvme/blobdata [--rank R --world-size N]
+    blobdata warm s3://bucket/train --cache-dir /mnt/nvme/blobdata --nnodes N --node-rank R
     blobdata ls s3://bucket/train [--json] [--save-manifest PATH_OR_URL]
     blobdata bench s3://bucket/train [--workers W --batch-size B --lookahead L --plot P.png --json]
     blobdata cache info --cache-dir D
+    blobdata cache trim --cache-dir D [--cache-size S] [URL --nnodes N --node-rank R]
     blobdata cache clear --cache-dir D --yes
     blobdata demo
 
@@ -16,7 +18,11 @@ traceback). Storage options are printed only through :func:`blobdata._stores.opt
 
 Sharding (``warm --rank R --world-size N``): node R warms the samples whose index ``i`` in the
 listing (ImageFolder order) satisfies ``i % N == R``, so ranks ``0..N-1`` together warm every sample
-exactly once, and each node's share is known without talking to the others.
+exactly once, and each node's share is known without talking to the others. ``warm --nnodes N
+--node-rank R`` warms instead what node R reads in training: under ``blobdata.PartitionedSampler``
+(``--sampler partitioned``, the default) its fixed share, the same every epoch, after evicting from
+the cache first what that share does not need; under ``--sampler distributed`` its share of one
+epoch (``--epoch``).
 """
 
 from __future__ import annotations
@@ -29,7 +35,15 @@ import traceback
 from collections.abc import Callable
 
 from . import _bench
-from ._commands import cmd_bench, cmd_cache_clear, cmd_cache_info, cmd_ls, cmd_warm, parse_storage_options
+from ._commands import (
+    cmd_bench,
+    cmd_cache_clear,
+    cmd_cache_info,
+    cmd_cache_trim,
+    cmd_ls,
+    cmd_warm,
+    parse_storage_options,
+)
 from ._errors import BlobdataError, ConfigError, ManifestError
 from ._warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE
 
@@ -41,15 +55,12 @@ log = logging.getLogger("blobdata")
 # -- parser and entry point ----------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs"
-    )
+def _listing_parent(*, url_required: bool) -> argparse.ArgumentParser:
     listing = argparse.ArgumentParser(add_help=False)
     listing.add_argument(
-        "url", help="dataset folder: s3://bucket/prefix, gs://..., az://..., or a local path"
-    )
+        "url", nargs=None if url_required else "?",
+        help="dataset folder: s3://bucket/prefix, gs://..., az://..., or a local path",
+    )  # fmt: skip
     listing.add_argument(
         "--manifest", help="use this saved listing (path or URL) instead of listing the bucket"
     )
@@ -72,6 +83,38 @@ def _parser() -> argparse.ArgumentParser:
         help="accept class folders without a valid file (as allow_empty=True)",
     )
 
+    return listing
+
+
+def _share_args(p: argparse.ArgumentParser) -> None:
+    """--nnodes and the options that say which samples a node reads."""
+    p.add_argument(
+        "--nnodes", type=int, default=None,
+        help="this node's share as training reads it, with this many nodes (default: torchrun's variables)",
+    )  # fmt: skip
+    p.add_argument("--node-rank", type=int, default=None, help="this node (default: GROUP_RANK)")
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="ranks per node (default: LOCAL_WORLD_SIZE, 1)"
+    )
+    p.add_argument(
+        "--sampler", choices=["partitioned", "distributed"], default="partitioned",
+        help="partitioned (default): the node's fixed share under blobdata.PartitionedSampler, the same "
+        "every epoch; distributed: its share of epoch --epoch under (Elastic)DistributedSampler",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-canonical-nodes", type=int, default=None,
+        help="PartitionedSampler's num_canonical_nodes (checked against --nnodes; default --nnodes)",
+    )  # fmt: skip
+    p.add_argument("--epoch", type=int, default=0, help="with --sampler distributed: the epoch (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs"
+    )
+    listing = _listing_parent(url_required=True)
     parser = argparse.ArgumentParser(
         prog="blobdata", description="Train PyTorch models straight from a bucket folder.", parents=[common]
     )
@@ -97,16 +140,7 @@ def _parser() -> argparse.ArgumentParser:
         help="this node's rank: it warms samples i with i %% world-size == rank",
     )
     w.add_argument("--world-size", type=int, default=1, help="number of nodes sharing the work (default 1)")
-    w.add_argument(
-        "--nnodes", type=int, default=None,
-        help="warm this node's share of an epoch as training will read it (default: torchrun's variables)",
-    )
-    w.add_argument("--node-rank", type=int, default=None, help="this node (default: GROUP_RANK)")
-    w.add_argument(
-        "--nproc-per-node", type=int, default=None, help="ranks per node (default: LOCAL_WORLD_SIZE, 1)"
-    )
-    w.add_argument("--epoch", type=int, default=0, help="the epoch whose share to warm (default 0)")
-    w.add_argument("--seed", type=int, default=0, help="the sampler's seed (default 0)")
+    _share_args(w)
     w.add_argument(
         "--buffer-size", default="256MiB", help="fetched bytes held in memory at most (default 256MiB)"
     )
@@ -121,11 +155,20 @@ def _parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache", parents=[common], help="inspect or clear a local cache")
     csub = cache.add_subparsers(dest="cache_command", metavar="ACTION")
     csub.required = True
-    info = csub.add_parser("info", parents=[common], help="directory, entries, bytes")
+    info = csub.add_parser("info", parents=[common], help="directory, entries, bytes, limit, how far over it")
     info.add_argument("--cache-dir", required=True, help="the cache directory (nothing is created in it)")
     info.add_argument("--cache-size", help="the size bound its users set, to show the free room (e.g. 100GB)")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(func=cmd_cache_info)
+    trim = csub.add_parser(
+        "trim", parents=[common, _listing_parent(url_required=False)],
+        help="evict down to the limit, first what a node's share (URL --nnodes N --node-rank R) "
+        "does not need",
+    )  # fmt: skip
+    trim.add_argument("--cache-dir", required=True, help="the cache directory to trim")
+    trim.add_argument("--cache-size", help="the limit to trim to (default: the one its last user recorded)")
+    _share_args(trim)
+    trim.set_defaults(func=cmd_cache_trim)
     clear = csub.add_parser("clear", parents=[common], help="remove every entry")
     clear.add_argument("--cache-dir", required=True, help="the cache directory to empty")
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")

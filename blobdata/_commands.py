@@ -21,14 +21,21 @@ from ._url import parse_url
 from ._warm import (
     has_cache,
     human_size,
-    open_cache,
     print_summary,
     used_bytes,
     warm,
 )
 from ._warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
-__all__ = ["cmd_bench", "cmd_cache_clear", "cmd_cache_info", "cmd_ls", "cmd_warm", "parse_storage_options"]
+__all__ = [
+    "cmd_bench",
+    "cmd_cache_clear",
+    "cmd_cache_info",
+    "cmd_cache_trim",
+    "cmd_ls",
+    "cmd_warm",
+    "parse_storage_options",
+]
 
 log = logging.getLogger("blobdata")
 
@@ -115,6 +122,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     manifest = _manifest_for(args, url, resolved)
     indices = _node_share(args, len(manifest))
     log.debug("listing of %s: %d objects in %.2fs", url, len(manifest), time.monotonic() - t0)
+    evicted = _make_room(args, manifest, indices, size) if args.cache_policy == "admit" else None
     summary = warm(
         url,
         cache_dir=args.cache_dir,
@@ -135,6 +143,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
     print_summary(
         summary, rank=args.rank, world_size=args.world_size, cache_dir=args.cache_dir, out=sys.stdout
     )
+    for line in (evicted, _share_fit(summary, indices is not None)):
+        if line is not None:
+            print(line, flush=True)
     if summary.interrupted:
         return EXIT_INTERRUPTED
     if summary.write_error is not None:
@@ -148,23 +159,67 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def _node_share(args: argparse.Namespace, n: int) -> Any:
-    """With --nnodes (or torchrun's variables): this node's share of epoch --epoch, else None."""
+    """With --nnodes (or torchrun's variables): the samples this node reads, else None. Under
+    --sampler partitioned (the default) its fixed share, the same every epoch; under distributed,
+    its share of epoch --epoch."""
     from ._distributed import env_info
 
     info = env_info()
     nnodes = args.nnodes if args.nnodes is not None else (info.nnodes if info.world_size > 1 else None)
     if nnodes is None:
         return None
-    if args.world_size != 1:
+    if getattr(args, "world_size", 1) != 1:
         raise ConfigError("--nnodes/--node-rank and --rank/--world-size are two ways to shard: use one")
     node = args.node_rank if args.node_rank is not None else info.node_rank
     per_node = args.nproc_per_node if args.nproc_per_node is not None else info.local_world_size
     if nnodes < 1 or per_node < 1 or not 0 <= node < nnodes:
         raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} with --nnodes {nnodes} >= 1, got {node}")
-    from ._resume import node_share  # needs torch: only for this form of warm
+    if getattr(args, "sampler", "partitioned") == "partitioned":
+        from ._shares import canonical_nodes, node_share
 
-    return node_share(n, nnodes=nnodes, node_rank=node, nproc_per_node=per_node, seed=args.seed,
-                      epoch=args.epoch)  # fmt: skip
+        canonical_nodes(args.num_canonical_nodes, nnodes)
+        return node_share(n, seed=args.seed, nnodes=nnodes, node=node)
+    from ._resume import node_share as epoch_share  # needs torch: only for this form of warm
+
+    return epoch_share(n, nnodes=nnodes, node_rank=node, nproc_per_node=per_node, seed=args.seed,
+                       epoch=args.epoch)  # fmt: skip
+
+
+def _make_room(args: argparse.Namespace, manifest: Any, indices: Any, size: int) -> str | None:
+    """Before warming a node's share: evict from the cache first what that share does not need
+    (this dataset's other samples), as far as the share's missing bytes or the bound require.
+    Returns a line for the summary, or None when nothing was evicted."""
+    if indices is None or args.dry_run or not has_cache(args.cache_dir):
+        return None
+    from ._cache import BlobCache
+
+    share = [(manifest.url(i), manifest.identity(i)) for i in np.asarray(indices).tolist()]
+    cache = BlobCache.inspect(args.cache_dir, size_limit=size)
+    try:
+        missing = sum(int(manifest.sizes[i]) for (url, ident), i in zip(share, indices, strict=True)
+                      if (url, ident) not in cache)  # fmt: skip
+        done = cache.trim(share, prefix=manifest.root.rstrip("/") + "/", room=missing)
+    finally:
+        cache.close()
+    if not done.evicted:
+        return None
+    freed = human_size(done.evicted_bytes)
+    return f"  evicted  {done.evicted} entries ({freed}) that this node's share does not need"
+
+
+def _share_fit(summary: Any, nnodes_given: bool) -> str | None:
+    """How much of the node's share the cache holds after the run."""
+    if not nnodes_given or not summary.shard_objects:
+        return None
+    held = summary.skipped + summary.fetched
+    held_bytes = summary.skipped_bytes + summary.fetched_bytes
+    pct = 100.0 * held_bytes / summary.shard_bytes if summary.shard_bytes else 100.0
+    if held == summary.shard_objects:
+        return f"  share    the cache holds all of this node's share ({human_size(held_bytes)})"
+    return (
+        f"  share    the cache holds {held} of the share's {summary.shard_objects} objects ({pct:.0f}% of "
+        f"{human_size(summary.shard_bytes)}); the rest is read from the bucket every epoch"
+    )
 
 
 # -- ls ------------------------------------------------------------------------------------------
@@ -252,14 +307,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # -- cache ---------------------------------------------------------------------------------------
 
 
-def _existing_cache(directory: str) -> Any:
-    """The cache in ``directory``; NotFound (nothing created) when there is none."""
+def _existing_cache(directory: str, size_limit: int | None = None) -> Any:
+    """The cache in ``directory``, opened to inspect it (it records no limit, trims nothing);
+    NotFound (nothing created) when there is none."""
     if not os.path.isdir(directory) or not has_cache(directory):
         from ._errors import NotFound
 
         why = "the directory does not exist" if not os.path.isdir(directory) else "it holds no cache index"
         raise NotFound(f"no cache at {directory}: {why}", url=directory)
-    return open_cache(directory)
+    from ._cache import BlobCache
+
+    return BlobCache.inspect(directory, size_limit=size_limit)
 
 
 def cmd_cache_info(args: argparse.Namespace) -> int:
@@ -269,18 +327,58 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
         info = cache.info()
     finally:
         cache.close()
-    # The limit and policy belong to whoever opens the cache (the dataset, warm): they are not stored.
+    # The limit belongs to whoever opens the cache (the dataset, warm); the last one's is recorded.
     info.pop("policy", None)
     info.pop("limit", None)
-    if size is not None:
-        info["limit"] = size
-        info["free"] = max(0, size - used_bytes(info))
+    bound = info.pop("bound", None)
+    limit = size if size is not None else bound
+    if limit is not None:
+        info["limit"] = limit
+        info["over"] = max(0, used_bytes(info) - limit)
+        info["free"] = max(0, limit - used_bytes(info))
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return EXIT_OK
+    sizes = ("bytes", "limit", "over", "free")
     for key, value in info.items():
-        sizey = isinstance(value, int) and not isinstance(value, bool) and key in ("bytes", "limit", "free")
+        sizey = isinstance(value, int) and not isinstance(value, bool) and key in sizes
         print(f"{key + ':':<11} {human_size(value) + f' ({value} bytes)' if sizey else value}")
+    if limit is None:
+        print("limit:      none recorded (pass --cache-size to compare)")
+    elif info["over"]:
+        print(
+            f"the cache is {human_size(info['over'])} over its limit: the next process that opens it trims "
+            f"it, or run: blobdata cache trim --cache-dir {args.cache_dir}"
+        )
+    return EXIT_OK
+
+
+def cmd_cache_trim(args: argparse.Namespace) -> int:
+    size = parse_size(args.cache_size, name="--cache-size") if args.cache_size else None
+    cache = _existing_cache(args.cache_dir, size)
+    try:
+        if cache.size_limit <= 0 and size is None:
+            raise ConfigError(f"no limit is recorded for the cache in {args.cache_dir}: pass --cache-size")
+        keep = prefix = None
+        if args.url:
+            url = str(parse_url(args.url))
+            given = parse_storage_options(args.storage_option or [])
+            opts = resolve_storage_options(parse_url(url).protocol, given)
+            manifest = _manifest_for(args, url, opts)
+            indices = _node_share(args, len(manifest))
+            if indices is None:
+                raise ConfigError("with a URL, say which node's share to keep: --nnodes N --node-rank R")
+            keep = [(manifest.url(i), manifest.identity(i)) for i in np.asarray(indices).tolist()]
+            prefix = manifest.root.rstrip("/") + "/"
+        before = cache.info()
+        done = cache.trim(keep, prefix=prefix)
+    finally:
+        cache.close()
+    print(
+        f"trimmed {args.cache_dir}: evicted {done.evicted} entries ({human_size(done.evicted_bytes)}); "
+        f"{human_size(done.volume_bytes)} of its {human_size(done.size_limit)} limit "
+        f"(was {human_size(used_bytes(before))})"
+    )
     return EXIT_OK
 
 

@@ -409,6 +409,7 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
         ``sampler=DistributedSampler(ds)`` for DDP (each rank then fetches only its own indices) and
         call ``sampler.set_epoch(e)`` as usual; ``blobdata.ElasticDistributedSampler`` gives the same
         order and resumes at another world size. The loader has ``state_dict``/``load_state_dict``.
+        ``sampler="partitioned"``: a ``blobdata.PartitionedSampler(ds)`` (each node, one share, every epoch).
 
         ``device="cuda"`` with ``gpu_transform=`` (e.g. ``blobdata.gpu.TrainTransform(224)``) is the GPU
         path: workers only fetch bytes, and the training process decodes each batch on the GPU
@@ -418,6 +419,9 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
         ``loader`` (``target_transform`` still runs in the workers). ``device="cpu"`` runs the same path
         on the CPU. Needs ``pip install 'blobdata[gpu]'`` for CUDA; see :mod:`blobdata.gpu`.
         """
+        if isinstance(kwargs.get("sampler"), str):
+            kwargs["sampler"] = _named_sampler(self, kwargs["sampler"], shuffle)
+            shuffle = None
         # All by keyword: Lightning re-makes a loader from the arguments it was made with, adding its
         # own sampler= and shuffle=, which must not collide with positional ones.
         return BlobLoader(
@@ -455,3 +459,11 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
             if proc.cache is not None:
                 proc.cache.close()
             proc.engine.close()
+
+
+def _named_sampler(ds: FolderDataset, name: str, shuffle: bool | None) -> Any:
+    if name != "partitioned":  # dataloader(sampler="partitioned"): the job's PartitionedSampler, seed 0
+        raise ConfigError(f'sampler= takes a sampler or "partitioned", got {name!r}')
+    from ._partition import PartitionedSampler
+
+    return PartitionedSampler(ds, shuffle=shuffle is not False)

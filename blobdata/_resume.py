@@ -34,6 +34,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from ._distributed import dist_info
 from ._errors import ConfigError
+from ._partition import PartitionedSampler
 
 __all__ = ["STATE_VERSION", "ElasticDistributedSampler", "Progress", "node_share", "own_generator"]
 
@@ -142,6 +143,8 @@ def _decode(text: Any) -> torch.Tensor:
 
 def capture(sampler: Any) -> dict[str, Any]:
     """The sampler's state needed to replay its next epoch (JSON-friendly)."""
+    if isinstance(sampler, PartitionedSampler):
+        return sampler.loader_state()
     if isinstance(sampler, ElasticDistributedSampler):
         return {"kind": "elastic", "seed": sampler.seed, "epoch": sampler.epoch, "start": sampler.start}
     if isinstance(sampler, DistributedSampler):
@@ -186,15 +189,16 @@ class Progress:
         else:
             self.epoch += 1
             if self._elastic_resume:  # the resumed epoch is over: this one is whole again
-                self.sampler.start = 0
+                _forget_consumed(self.sampler)
             self._resumed, self._elastic_resume = 0, False
         self._start = capture(self.sampler)
         self.batches, self.complete = skip + self._resumed, False
         return skip
 
     def resumed_batches(self) -> int:
-        """Batches of the current epoch an elastic sampler leaves out (``len()`` counts them)."""
-        if self._elastic_resume and getattr(self.sampler, "start", 0) > 0:
+        """Batches of the current epoch an elastic or partitioned sampler leaves out (``len()``
+        counts them)."""
+        if self._elastic_resume and _leaves_out(self.sampler):
             return self._resumed
         return 0
 
@@ -222,6 +226,9 @@ class Progress:
             n = len(self.sampler.dataset)
             done = (self.batches - self._resumed) * (self.batch_size or 1) * self.world_size()
             sampler["start"] = min(n, sampler["start"] + done)
+        if sampler["kind"] == "partitioned" and not complete:
+            per_rank = (self.batches - self._resumed) * (self.batch_size or 1)
+            sampler = self.sampler.state_after(sampler, per_rank)
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -256,7 +263,12 @@ class Progress:
                 )
             self.sampler.set_epoch(int(saved["epoch"]))
         self._resumed, self._elastic_resume = 0, False
-        if kind == "elastic":
+        if kind == "partitioned":
+            self.sampler.load_loader_state(saved, complete=complete)
+            if not complete:  # the sampler leaves out what was consumed, at any layout
+                self._resumed, self._elastic_resume = batches, True
+            batches = 0
+        elif kind == "elastic":
             self.sampler.start = 0 if complete else int(saved["start"])
             if not complete:  # the sampler itself leaves out what was consumed, at any world size
                 self._resumed, self._elastic_resume = batches, True
@@ -279,3 +291,18 @@ class Progress:
         self._start = self._at_iter = None
         self._pending = None if complete else (saved, batches)
         self._loaded = None if complete else copy.deepcopy(dict(state))
+
+
+def _leaves_out(sampler: Any) -> bool:
+    """Whether ``sampler`` now leaves out the start of a resumed epoch (elastic or partitioned)."""
+    if isinstance(sampler, PartitionedSampler):
+        return bool(sampler.consumed)
+    return getattr(sampler, "start", 0) > 0
+
+
+def _forget_consumed(sampler: Any) -> None:
+    """The resumed epoch is over: ``sampler`` yields whole epochs again."""
+    if isinstance(sampler, PartitionedSampler):
+        sampler.consumed = []
+    elif isinstance(sampler, ElasticDistributedSampler):
+        sampler.start = 0

@@ -4,13 +4,17 @@
 
 The loader from ``ds.dataloader(...)`` has ``state_dict()``/``load_state_dict()`` (the
 ``StatefulDataLoader`` protocol), so Lightning's mid-epoch checkpoints resume it at the next batch with
-the same order (``--ckpt-path``). Two ways to shard it under DDP, both with Lightning's defaults:
+the same order (``--ckpt-path``). Three ways to shard it under DDP:
 
 - ``--sampler elastic`` (default): ``ElasticDistributedSampler``, ``DistributedSampler``'s order that
   also resumes at another number of devices. It is a ``DistributedSampler``, so Lightning keeps it.
 - ``--sampler lightning``: ``ds.dataloader(batch_size=..., shuffle=True)``; Lightning rebuilds the
   loader with its own ``DistributedSampler`` (``use_distributed_sampler=True``, the default). The
   rebuilt loader is a ``BlobLoader`` too and fetches ahead the same way.
+- ``--sampler partitioned``: ``PartitionedSampler``: each node reads the same share of the dataset every
+  epoch, so each node's cache needs to hold only its share. The trainer is made with
+  ``use_distributed_sampler=False`` so that nothing replaces it, and ``nproc_per_node`` is given from
+  the trainer, for launchers that do not set ``LOCAL_WORLD_SIZE``.
 
 The dataset is made in ``setup`` on every rank: rank 0 lists, the others receive it. At the end each
 rank prints what its loader did (``loader.stats()``). The model is a toy over each object's first 16
@@ -26,7 +30,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from blobdata import ElasticDistributedSampler, FolderDataset
+from blobdata import ElasticDistributedSampler, FolderDataset, PartitionedSampler
 
 
 def first_bytes(f: Any) -> torch.Tensor:
@@ -54,7 +58,9 @@ class BucketData(L.LightningDataModule):
     def train_dataloader(self) -> Any:
         if self.sampler == "lightning":  # Lightning puts its DistributedSampler in under DDP
             return self.ds.dataloader(batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
-        sampler = ElasticDistributedSampler(self.ds, seed=0)  # rank and world size from the job
+        sampler: Any = ElasticDistributedSampler(self.ds, seed=0)  # rank and world size from the job
+        if self.sampler == "partitioned":  # each node one fixed share, every epoch: its cache serves them all
+            sampler = PartitionedSampler(self.ds, seed=0, nproc_per_node=self.trainer.num_devices)
         return self.ds.dataloader(batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
 
     def predict_dataloader(self) -> Any:
@@ -89,12 +95,17 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--sampler", choices=["elastic", "lightning"], default="elastic")
+    p.add_argument("--sampler", choices=["elastic", "lightning", "partitioned"], default="elastic")
     p.add_argument("--ckpt-path", default=None, help="a checkpoint to resume from (mid-epoch too)")
     p.add_argument("--predict", action="store_true", help="then predict over the whole folder")
     args = p.parse_args()
     data = BucketData(args.url, batch_size=args.batch_size, num_workers=args.workers, sampler=args.sampler)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_epochs=args.epochs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        max_epochs=args.epochs,
+        use_distributed_sampler=args.sampler != "partitioned",
+    )
     model = Toy()
     trainer.fit(model, datamodule=data, ckpt_path=args.ckpt_path)
     if args.predict:

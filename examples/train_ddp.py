@@ -10,7 +10,8 @@ The model is a toy (CPU, gloo, a linear layer over each object's first 16 bytes;
 - The listing is made once for the job: rank 0 lists (or loads the remembered listing) and the
   other ranks receive it through the process group.
 - Each rank fetches only its share (``ElasticDistributedSampler``, ``DistributedSampler``'s order);
-  the ranks of one node share ``--cache-dir``.
+  the ranks of one node share ``--cache-dir``. ``--sampler partitioned`` (``PartitionedSampler``)
+  keeps each node on the same share every epoch, so a node's cache of its share serves every epoch.
 - Rank 0 checkpoints the model and the loader's state every ``--save-every`` steps; started again
   with the same ``--checkpoint``, the run goes on at the next batch with the same order, even with
   another number of ranks (the rest of the epoch is dealt to the ranks there are).
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data.distributed import DistributedSampler
 
-from blobdata import ElasticDistributedSampler, FolderDataset
+from blobdata import BlobCache, ElasticDistributedSampler, FolderDataset, PartitionedSampler
 
 
 class SmokeSample:
@@ -60,14 +61,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url")
     p.add_argument("--cache-dir", default=None)
+    p.add_argument("--cache-size", default="100GB", help="the cache's size bound (default 100GB)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument(
         "--sampler",
-        choices=["elastic", "distributed", "shuffle"],
+        choices=["elastic", "distributed", "partitioned", "shuffle"],
         default="elastic",
-        help="ElasticDistributedSampler (default), DistributedSampler, or shuffle=True (1 rank)",
+        help="ElasticDistributedSampler (default), DistributedSampler, PartitionedSampler (each node "
+        "reads a fixed share every epoch), or shuffle=True (1 rank)",
     )
     p.add_argument("--checkpoint", type=Path, default=None, help="directory: model.pt and loader.json")
     p.add_argument("--save-every", type=int, default=1, help="steps between checkpoints")
@@ -85,7 +88,8 @@ def main() -> None:
 
     backend = "gloo" if args.smoke or not torch.cuda.is_available() else "nccl"
     smoke_sample = SmokeSample()
-    kw: dict[str, Any] = {"cache": args.cache_dir, "loader": smoke_sample} if args.smoke else {}
+    cache = BlobCache(args.cache_dir, size_limit=args.cache_size) if args.cache_dir else None
+    kw: dict[str, Any] = {"cache": cache, "loader": smoke_sample} if args.smoke else {}
     if args.list_before_init:  # torchrun's variables are enough: rank 0 hands the listing over a file
         ds = FolderDataset(args.url, **{k: v for k, v in kw.items() if v is not None})
     dist.init_process_group(backend)
@@ -97,7 +101,8 @@ def main() -> None:
     if args.sampler == "shuffle":
         loader = ds.dataloader(batch_size=args.batch_size, shuffle=True, num_workers=args.workers)
     else:
-        cls = ElasticDistributedSampler if args.sampler == "elastic" else DistributedSampler
+        samplers = {"elastic": ElasticDistributedSampler, "partitioned": PartitionedSampler}
+        cls = samplers.get(args.sampler, DistributedSampler)
         loader = ds.dataloader(batch_size=args.batch_size, sampler=cls(ds, seed=0), num_workers=args.workers)
 
     model: torch.nn.Module = torch.nn.Linear(16, len(ds.classes))  # put your model (and transform) here

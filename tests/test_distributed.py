@@ -266,7 +266,8 @@ def test_warm_fills_exactly_the_nodes_share_of_the_epoch(
     flags = [x for kv in o for x in ("-o", kv)]
     cache = tmp_path / "cache1"
     argv = ["warm", url, "--cache-dir", str(cache), "--nnodes", "2", "--node-rank", "1"]
-    assert main([*argv, "--nproc-per-node", "2", "--epoch", "3", "--seed", "7", "--no-progress", *flags]) == 0
+    argv += ["--sampler", "distributed", "--nproc-per-node", "2", "--epoch", "3", "--seed", "7"]
+    assert main([*argv, "--no-progress", *flags]) == 0
     ds = FolderDataset(url, storage_options=opts, share_listing=False)
     want: set[int] = set()
     for rank in (2, 3):  # node 1's ranks under torchrun

@@ -28,6 +28,7 @@ def test_all_is_sorted_and_exact() -> None:
         "ManifestError",
         "NotFound",
         "ObjectChanged",
+        "PartitionedSampler",
         "Throttled",
         "WarmSummary",
         "__version__",

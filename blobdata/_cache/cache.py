@@ -20,8 +20,9 @@ from .. import _process
 from .._config import parse_duration, parse_size
 from .._errors import CacheError, ConfigError
 from .db import Index
-from .index import WAL_SLACK_BYTES, IndexOps, Policy
+from .index import WAL_SLACK_BYTES, Policy
 from .packs import aligned, punch_supported
+from .trim import TrimOps, recorded_bound
 from .values import (
     DB_NAME,
     HEADER,
@@ -81,7 +82,7 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-class BlobCache(IndexOps):
+class BlobCache(TrimOps):
     """A size-bounded, checksummed, process-safe bytes cache in ``directory``.
 
     directory:     a local directory (created with mode 0700); several processes and jobs may share it.
@@ -93,6 +94,8 @@ class BlobCache(IndexOps):
                    a row are swept when a cache opens (default 600).
     write_pause:   seconds without write attempts after a write error (default 60).
 
+    Opened more than ``SLACK_BYTES`` over ``size_limit`` (a lower limit than before), it evicts down to
+    it at once; :meth:`trim` evicts first what a node's current share does not need.
     Raises :class:`CacheError` if the directory cannot be created or its index opened.
     Thread-safe; SQLite connections are per thread and per process.
     """
@@ -131,6 +134,7 @@ class BlobCache(IndexOps):
         self._broken_until = 0.0
         self._warned = False
         self._use_packs = False  # decided when the index opens (hole punching supported there)
+        self._passive = False  # inspecting only (cache info/clear): records no limit, trims nothing
 
     # -- pickling (spawn workers): just the configuration, reopened on first use -----------------
 
@@ -148,6 +152,22 @@ class BlobCache(IndexOps):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @classmethod
+    def inspect(cls, directory: str | os.PathLike[str], *, size_limit: int | None = None) -> BlobCache:
+        """The cache in ``directory`` opened to look at, trim or clear it: it records no limit and
+        trims nothing when it opens. Its ``size_limit`` (what :meth:`trim` aims at) is ``size_limit``,
+        else the one the last opener recorded (0 if none). Raises :class:`CacheError` (creating
+        nothing) if ``directory`` holds no cache."""
+        path = os.fspath(directory)
+        if not os.path.isfile(os.path.join(path, DB_NAME)):
+            raise CacheError(f"no cache at {path}: it holds no cache index", url=path)
+        cache = cls.__new__(cls)
+        cache._setup(path, 0, "admit")
+        cache._passive = True
+        db = cache._connect().db
+        cache._size_limit = size_limit if size_limit is not None else (recorded_bound(db) or 0)
+        return cache
 
     @property
     def directory(self) -> str:
@@ -218,7 +238,15 @@ class BlobCache(IndexOps):
             self._sweep(db, opened.values, force=False)
         except (OSError, sqlite3.Error) as exc:
             _log.debug("blobdata cache %s: orphan sweep skipped (%s)", directory, exc)
+        if not self._passive:
+            try:
+                self._bound_on_open(db, opened.values)
+            except (OSError, sqlite3.Error) as exc:  # the bound holds for new puts all the same
+                _log.warning("blobdata cache %s: could not trim it to its limit (%s)", directory, exc)
         return opened
+
+    def _opened_index(self) -> Opened:
+        return self._connect()
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -416,34 +444,21 @@ class BlobCache(IndexOps):
         )
 
     def info(self) -> dict[str, object]:
-        """A summary for ``blobdata cache info``: directory, entries, bytes, limit, policy."""
+        """A summary for ``blobdata cache info``: directory, entries, bytes, limit, policy, and the
+        limit the last opener recorded (``bound``; None if none)."""
         volume, entries = self._shared_state()
+        try:
+            bound = recorded_bound(self._connect().db)
+        except (CacheError, sqlite3.Error, OSError):
+            bound = None
         return {
             "directory": self._directory,
             "entries": entries,
             "bytes": volume,
             "limit": self._size_limit,
             "policy": self._policy,
+            "bound": bound,
         }
-
-    def clear(self) -> None:
-        """Remove every entry (for all processes) and sweep old orphans. Raises CacheError on failure."""
-        try:
-            db, values = self._connect()
-            while True:  # in batches: other processes keep reading and writing meanwhile
-                with db.transact():
-                    rows = db.sql("SELECT rowid, filename FROM entries LIMIT 1000").fetchall()
-                    db.connection().executemany(
-                        "DELETE FROM entries WHERE rowid = ?", [(rowid,) for rowid, _ in rows]
-                    )
-                for _, filename in rows:  # after COMMIT: a crash here leaves orphans, swept later
-                    if filename is not None:
-                        values.remove(filename)
-                if not rows:
-                    break
-            self._sweep(db, values, force=True)
-        except (OSError, sqlite3.Error) as exc:
-            raise CacheError(f"cannot clear cache directory {self._directory} ({exc})") from exc
 
     def close(self) -> None:
         """Close this process's connection; a later call reopens it."""
