@@ -177,6 +177,11 @@ class TransientError(Exception):
             self.retry_after = None  # an HTTP date: ignored, the backoff applies
 
 
+class RangeIgnored(Exception):
+    """The store answered a ranged read with the whole object (HTTP 200 to a ``Range`` request;
+    internal: the fetch engine then reads the object once, whole, instead of once per part)."""
+
+
 #: What to check when a store refuses the credentials, per store.
 _CREDENTIAL_HINTS = {
     "s3": "check the credentials (key/secret, AWS_PROFILE, AWS_ACCESS_KEY_ID) and the bucket policy, or "

@@ -120,6 +120,7 @@ class AzureReader:
         end: int | None = None,
         expect_identity: str | None = None,
         timeout: float = 30.0,
+        size: int | None = None,
     ) -> ReadResult:
         """One download of ``az://container/key`` (bytes ``[start, end)`` when given), no retries.
 
@@ -153,7 +154,14 @@ class AzureReader:
                 err = NotFound(f"{url}: no such blob (HTTP 404); rebuild the listing with refresh=True", url)
             raise err from None
         etag = str(props.etag or "").strip('"')
-        if expect_identity and etag and etag != expect_identity.strip('"'):
+        if expect_identity and not etag:
+            raise ObjectChanged(
+                f"{url}: the store's answer carries no ETag, so it cannot be shown to be the listed "
+                f"version ({expect_identity}); a proxy between here and the store may drop ETags and "
+                "ignore If-Match. Nothing was returned, to never mix two versions",
+                url,
+            )
+        if expect_identity and etag != expect_identity.strip('"'):
             raise ObjectChanged(
                 f"{url} changed since it was listed (ETag {expect_identity} listed, {etag} now): rebuild "
                 "the listing with refresh=True",

@@ -34,8 +34,11 @@ class Reader(Protocol):
     Must raise NotFound / AccessDenied / ObjectChanged / FetchError for final failures and
     :class:`~blobdata._errors.TransientError` for retryable ones (a body shorter than announced is
     ``short_read``, retried like a reset), and honour ``timeout`` (seconds). With ``expect_identity``
-    it must refuse (ObjectChanged) an object whose identity differs, where the store can tell. For
-    ``file``/``memory`` the bucket is ``""`` and the key is the path.
+    it must refuse (ObjectChanged) an object whose identity differs, where the store can tell, and
+    never take an answer without an identity as a match. ``size`` is the listed size in bytes (None
+    if unknown): a network reader refuses a body longer than that (or than the range) before
+    buffering it, and may raise :class:`~blobdata._errors.RangeIgnored` when a store answers a
+    range with the whole object. For ``file``/``memory`` the bucket is ``""`` and the key is the path.
     """
 
     async def read(
@@ -47,6 +50,7 @@ class Reader(Protocol):
         end: int | None,
         expect_identity: str | None,
         timeout: float,
+        size: int | None = None,
     ) -> ReadResult: ...
 
     async def close(self) -> None: ...

@@ -129,6 +129,7 @@ class FsspecReader:
         end: int | None,
         expect_identity: str | None,
         timeout: float,
+        size: int | None = None,
     ) -> ReadResult:
         fs = get_fs(self.protocol, self._options)
         path = f"{bucket}/{key}" if bucket else key

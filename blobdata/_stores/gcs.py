@@ -15,6 +15,11 @@ Emulators: gcp-storage-emulator ignores ``generation=``, sends no ``x-goog-gener
 no credentials. When the header is missing the reader asks the object's metadata *after* the
 download; generations only grow, so a metadata generation equal to the expected one proves the
 bytes were that version (one extra request per read, on such stores only).
+
+Responses are checked as the S3 reader checks them (:mod:`.s3`): 200 for a whole read, 206 with the
+exact ``Content-Range`` for a ranged one (a 200 raises :class:`~blobdata._errors.RangeIgnored` before
+its body is read), bodies bounded by the range or the listed size whatever the framing, only
+``chunked`` transfer coding.
 """
 
 from __future__ import annotations
@@ -34,17 +39,20 @@ from .._errors import (
     BlobdataError,
     NotFound,
     ObjectChanged,
+    RangeIgnored,
     TransientError,
     from_status,
 )
 from .base import ReadResult
 from .fsspec import get_fs
-from .http import ProcessBound, lean_session
+from .http import ProcessBound, check_content_range, lean_session, read_capped
+from .network import redact_url
 from .options import resolve_storage_options
 
 __all__ = ["GCSReader", "identity"]
 
 _DEFAULT_LOCATION = "https://storage.googleapis.com"
+_UNSIZED_CAP = 1 << 30  # bytes of a whole read whose size was not listed
 _REFRESH_MARGIN_S = 300.0  # refresh a token this long before it expires (gcsfs uses the same margin)
 
 
@@ -70,7 +78,7 @@ class GCSReader:
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def __repr__(self) -> str:
-        return f"GCSReader(endpoint={self._location!r})"
+        return f"GCSReader(endpoint={redact_url(self._location)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -126,19 +134,24 @@ class GCSReader:
         end: int | None = None,
         expect_identity: str | None = None,
         timeout: float = 30.0,
+        size: int | None = None,
     ) -> ReadResult:
         """One GET of ``gs://bucket/key`` (bytes ``[start, end)`` when given), no retries.
 
-        ``expect_identity`` is the listed generation; ``timeout`` (seconds) bounds each request.
+        ``expect_identity`` is the listed generation; ``timeout`` (seconds) bounds each request;
+        ``size`` (the listed size, bytes) bounds a whole read's body.
         """
         url = f"gs://{bucket}/{key}"
         # Only a generation (digits) can be pinned; anything else (an etag) is merely compared.
         generation = expect_identity if expect_identity and expect_identity.isdigit() else None
         session = self._sessions.get()
         headers = await self._headers()
-        if start is not None or end is not None:
-            first = start or 0
+        ranged = start is not None or end is not None
+        first = start or 0
+        if ranged:
             headers["Range"] = f"bytes={first}-{end - 1}" if end is not None else f"bytes={first}-"
+        known = end if end is not None else size
+        cap = known - first if known is not None else _UNSIZED_CAP
         client_timeout = self._timeouts.get(timeout)
         if client_timeout is None:
             client_timeout = self._timeouts[timeout] = aiohttp.ClientTimeout(total=timeout)
@@ -150,7 +163,11 @@ class GCSReader:
             ) as resp:
                 status = resp.status
                 if status in (200, 206):
-                    body = await resp.read()
+                    if ranged and status == 200:
+                        raise RangeIgnored(f"{url}: the store answered a ranged GET with the whole object")
+                    if status == 206 and not ranged:
+                        raise TransientError("server", f"{url}: bad HTTP response (206 to a whole read)")
+                    body = await read_capped(resp, max(cap, 0), url)
                     length = resp.content_length
                     if length is not None and len(body) != length:
                         raise TransientError("short_read", f"{url}: got {len(body)} of {length} bytes")
@@ -180,10 +197,7 @@ class GCSReader:
             raise _changed(url, expect_identity, got)
         total: int | None = len(body)
         if status == 206:
-            _, _, size = content_range.rpartition("/")
-            total = int(size) if size.isdigit() else None
-        elif start is not None or end is not None:
-            body = body[start or 0 : end]  # the store ignored Range and sent everything
+            total = check_content_range(url, content_range, first, end, len(body))
         return ReadResult(body, got or expect_identity or "", total)
 
     async def _generation(
