@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-__all__ = ["Entry", "Lister", "ReadResult", "Reader"]
+from .._errors import ManifestError
+
+__all__ = ["MAX_LISTED_SIZE", "Entry", "Lister", "ReadResult", "Reader", "listed_size"]
+
+#: The largest object size a listing may state, in bytes (1 PiB; S3's own limit is 50 TB).
+MAX_LISTED_SIZE = 1 << 50
 
 
 class ReadResult(NamedTuple):
@@ -26,6 +31,23 @@ class ReadResult(NamedTuple):
 
 #: One listed object: (key relative to the dataset root, exactly as stored; size in bytes; identity).
 Entry = tuple[str, int, str]
+
+
+def listed_size(value: object, url: str) -> int:
+    """A listed object's size in bytes, from the store's text or number; a :class:`ManifestError`
+    naming ``url`` (the object) when it is not a whole number from 0 to :data:`MAX_LISTED_SIZE`."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not (text.isascii() and text.isdigit()) or len(text) > 16:
+        size = -1
+    else:
+        size = int(text)
+    if not 0 <= size <= MAX_LISTED_SIZE:
+        raise ManifestError(
+            f"the listing states a size of {text[:40]!r} bytes for {url}, not a whole number from 0 to "
+            f"{MAX_LISTED_SIZE}: the store or a proxy sent a corrupt listing",
+            url,
+        )
+    return size
 
 
 class Reader(Protocol):
