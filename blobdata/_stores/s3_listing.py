@@ -218,7 +218,9 @@ class S3LeanLister:
         outside = [k for k in page.keys if not k.startswith(prefix)]
         outside += [p for p in page.common_prefixes if not p.startswith(prefix)]
         self._outside_count += len(outside)
-        self._outside.extend(bucket_url + k for k in outside[: _NAMED - len(self._outside)])
+        for name in outside:
+            if len(self._outside) < _NAMED and bucket_url + name not in self._outside:
+                self._outside.append(bucket_url + name)
         return ListPage(
             [page.keys[i] for i in keep],
             [page.sizes[i] for i in keep],
@@ -245,11 +247,10 @@ class S3LeanLister:
 
     async def aclose(self) -> None:
         if self._outside_count:
-            more = self._outside_count - len(self._outside)
             logger.warning(
-                "listing of %s: dropped %d key(s) outside the requested prefix: %s%s; the store or a proxy "
+                "listing of %s: dropped %d key(s) outside the requested prefix (%s%s); the store or a proxy "
                 "answered for another prefix", self.url, self._outside_count, ", ".join(self._outside),
-                f" and {more} more" if more else "",
+                ", ..." if self._outside_count > len(self._outside) else "",
             )  # fmt: skip
             self._outside, self._outside_count = [], 0
         await self.reader.close()
