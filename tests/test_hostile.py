@@ -35,7 +35,8 @@ def store() -> Iterator[HostileServer]:
         yield server
 
 
-def _fetch(store: HostileServer, key: str, *, size: int | None, identity: str | None = None, **opts: Any) -> Any:
+def _fetch(store: HostileServer, key: str, *, size: int | None, identity: str | None = None, **opts: Any,
+           ) -> Any:  # fmt: skip
     """One fetch of ``s3://data/key`` through a fresh engine, one attempt: the bytes or the error."""
     options = FetchOptions(**{"attempts": 1, "timeout": 5, "part_size": PART, **opts})
     engine = FetchEngine(options, "s3", store.storage_options)
@@ -158,7 +159,8 @@ def test_8_keys_outside_the_prefix_are_dropped_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="blobdata"):
         m = list_folder("s3://data/train", storage_options=store.storage_options)
     assert m.classes == ["cat", "dog"] and len(m) == 6
-    assert sorted(m.relkey(i) for i in range(len(m))) == [f"{c}/{i}.jpg" for c in ("cat", "dog") for i in range(3)]
+    expected = [f"{c}/{i}.jpg" for c in ("cat", "dog") for i in range(3)]
+    assert sorted(m.relkey(i) for i in range(len(m))) == expected
     warned = [r.getMessage() for r in caplog.records if "outside the requested prefix" in r.getMessage()]
     assert len(warned) == 1 and "s3://data/other/secret/x.jpg" in warned[0]
 
