@@ -50,7 +50,8 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     certificate = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName(
             [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
@@ -59,9 +60,8 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("tls")
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    pem = serialization.Encoding.PEM
+    key_path.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
     return cert_path, key_path
 
 
@@ -91,7 +91,9 @@ def _read(opts: dict[str, Any], **fetch: Any) -> Any:
 
 
 # -- 9: proxies ----------------------------------------------------------------------------------
-def test_9_http_proxy_forwards_http_endpoints(http_store: HostileServer, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_9_http_proxy_forwards_http_endpoints(
+    http_store: HostileServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with HttpProxy() as proxy:
         monkeypatch.setenv("HTTP_PROXY", proxy.url)
         assert _read(http_store.storage_options)[0] == b"secret bytes"
