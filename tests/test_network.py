@@ -61,7 +61,8 @@ def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
     pem = serialization.Encoding.PEM
-    key_path.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    pkcs8, clear = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    key_path.write_bytes(key.private_bytes(pem, pkcs8, clear))
     return cert_path, key_path
 
 
