@@ -275,6 +275,7 @@ _CONNECTION_NAMES = frozenset({
     "ServiceRequestError", "ServiceResponseError", "ClientConnectionError", "ClientOSError",
     "ServerDisconnectedError", "ClientPayloadError",
 })  # fmt: skip
+_TLS_REFUSED_NAMES = frozenset({"SSLCertVerificationError", "ClientConnectorCertificateError"})
 _CREDENTIAL_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ClientAuthenticationError"})
 
 
@@ -303,6 +304,13 @@ def translate(
             return from_status(url, status, code=code, store=store, what=what,
                                retry_after=_retry_after(e), expected=expected)  # fmt: skip
     names = {type(e).__name__ for e in _chain(exc)}
+    refused = next((e for e in _chain(exc) if type(e).__name__ in _TLS_REFUSED_NAMES), None)
+    if refused is not None:  # a certificate the client refused: final, no attempt can succeed
+        cause = getattr(refused, "certificate_error", None) or refused
+        reason = getattr(cause, "verify_message", None) or getattr(cause, "reason", None)
+        reason = reason or type(cause).__name__
+        return FetchError(f"{head}: TLS certificate verification failed ({reason}); name the CA bundle that "
+                          "signed the server's certificate, or check the endpoint", url)  # fmt: skip
     if names & _CREDENTIAL_NAMES:
         hint = _CREDENTIAL_HINTS.get(store, "set them in storage_options or the environment")
         return AccessDenied(f"{head}: no usable credentials; {hint}", url)

@@ -37,6 +37,7 @@ import yarl
 from .. import _process
 from .._errors import (
     BlobdataError,
+    FetchError,
     NotFound,
     ObjectChanged,
     RangeIgnored,
@@ -46,7 +47,7 @@ from .._errors import (
 from .base import ReadResult
 from .fsspec import get_fs
 from .http import ProcessBound, check_content_range, lean_session, read_capped
-from .network import redact_url
+from .network import proxy_url, redact_url
 from .options import resolve_storage_options
 
 __all__ = ["GCSReader", "identity"]
@@ -73,6 +74,8 @@ class GCSReader:
             payer if isinstance(payer, str) else (self._options.get("project") if payer else None)
         )
         self._concurrency = concurrency
+        # HTTP(S)_PROXY / ALL_PROXY / NO_PROXY as for S3 (:mod:`.network`); None: direct.
+        self._proxy = proxy_url(self._options, self._location)
         self._sessions = ProcessBound(self._new_session, aiohttp.ClientSession.close)
         self._auth: tuple[int, Any] | None = None  # (pid, gcsfs GoogleCredentials)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
@@ -159,7 +162,7 @@ class GCSReader:
         body, got, content_range = b"", None, ""
         try:
             async with session.get(
-                target, headers=headers, timeout=client_timeout, allow_redirects=False
+                target, headers=headers, timeout=client_timeout, allow_redirects=False, proxy=self._proxy
             ) as resp:
                 status = resp.status
                 if status in (200, 206):
@@ -179,8 +182,12 @@ class GCSReader:
             raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
         except aiohttp.ClientPayloadError as exc:
             raise TransientError("short_read", f"{url}: connection closed mid-body") from exc
+        except aiohttp.ClientSSLError as exc:  # a refused certificate or handshake: no retry helps
+            raise _tls_error(url, self._location, exc) from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise TransientError("connection", f"{url}: connection failed ({type(exc).__name__})") from exc
+            via = " through the proxy from the environment" if self._proxy else ""
+            what = f"connection failed ({type(exc).__name__}){via}"
+            raise TransientError("connection", f"{url}: {what}") from exc
         if status not in (200, 206):
             if status == 404 and expect_identity:
                 # The listed generation is gone: changed if the object itself is still there.
@@ -213,7 +220,7 @@ class GCSReader:
         meta_headers = {k: v for k, v in headers.items() if k.lower() != "range"}
         target = self._object_url(bucket, key, media=False, generation=None)
         try:
-            async with session.get(target, headers=meta_headers, timeout=timeout) as resp:
+            async with session.get(target, headers=meta_headers, timeout=timeout, proxy=self._proxy) as resp:
                 raw = await resp.content.read(65536)
                 status = resp.status
         except asyncio.TimeoutError as exc:
@@ -229,6 +236,12 @@ class GCSReader:
         except (ValueError, AttributeError):
             raise TransientError("server", f"{url}: unreadable object metadata") from None
         return str(generation) if generation is not None else None
+
+
+def _tls_error(url: str, location: str, exc: aiohttp.ClientSSLError) -> FetchError:
+    cause = getattr(exc, "certificate_error", None) or getattr(exc, "os_error", None) or exc
+    reason = getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or str(cause)
+    return FetchError(f"{url}: TLS with {redact_url(location)} failed: {reason}", url)
 
 
 def _changed(url: str, expected: str, current: str) -> ObjectChanged:

@@ -32,7 +32,7 @@ from urllib.parse import unquote, urlsplit
 from .._config import env
 from .._errors import ConfigError
 
-__all__ = ["Proxy", "ProxySettings", "ca_bundle", "proxy_settings", "redact_url"]
+__all__ = ["Proxy", "ProxySettings", "ca_bundle", "proxy_settings", "proxy_url", "redact_url"]
 
 _USERINFO_RE = re.compile(r"(?<=://)[^/@\s]*@")
 
@@ -43,13 +43,18 @@ def redact_url(text: str) -> str:
 
 
 class Proxy(NamedTuple):
-    """One HTTP proxy: where to connect, the ``Proxy-Authorization`` value (or None), and how to name
-    it in messages (its URL without credentials, and the setting it came from)."""
+    """One HTTP proxy: where to connect, the ``Proxy-Authorization`` value (or None), how to name it
+    in messages (its URL without credentials, and the setting it came from) and its full URL
+    (credentials included: never printed, its repr leaves it out)."""
 
     host: str
     port: int
     authorization: str | None
     display: str
+    url: str
+
+    def __repr__(self) -> str:
+        return f"Proxy({self.display})"
 
 
 class ProxySettings(NamedTuple):
@@ -103,7 +108,7 @@ def _parse_proxy(url: str, source: str) -> Proxy:
     if parts.username is not None:
         pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         auth = "Basic " + base64.b64encode(pair.encode()).decode("ascii")
-    return Proxy(parts.hostname, port or 80, auth, where)
+    return Proxy(parts.hostname, port or 80, auth, where, raw)
 
 
 _ENV_NAMES = {"http": ("http_proxy", "HTTP_PROXY"), "https": ("https_proxy", "HTTPS_PROXY")}
@@ -157,6 +162,16 @@ def proxy_settings(storage_options: Mapping[str, Any]) -> ProxySettings:
     raw = env("no_proxy") or env("NO_PROXY") or ""
     no_proxy = tuple(n.strip().lstrip(".").lower() for n in raw.split(",") if n.strip().lstrip("."))
     return ProxySettings(env_scheme, no_proxy)
+
+
+def proxy_url(storage_options: Mapping[str, Any], url: str) -> str | None:
+    """The proxy URL (credentials included) for requests to ``url``, for aiohttp's ``proxy=``."""
+    parts = urlsplit(url)
+    scheme = parts.scheme or "https"
+    proxy = proxy_settings(storage_options).for_origin(
+        scheme, parts.hostname or "", parts.port or (443 if scheme == "https" else 80)
+    )
+    return proxy.url if proxy is not None else None
 
 
 def ca_bundle(storage_options: Mapping[str, Any], profile: str | None) -> bool | str:
