@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,8 @@ from blobdata._errors import FetchError, FetchTimeout, ObjectChanged
 from blobdata._fetch import FetchEngine
 from blobdata._loop import run
 from blobdata._stores.azure import AzureReader
-from blobdata.testing import HostileServer
+from blobdata.testing import HostileServer, HttpProxy
+from tests.support.tls import self_signed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,3 +124,44 @@ def test_azure_a_pinned_read_without_etag_is_not_a_match(
     proxy.mode = "no_etag"
     got = _fetch("az", opts, url, 2000, etag)
     assert isinstance(got, ObjectChanged) and "no ETag" in str(got), got
+
+
+# -- proxies and certificates, as for S3 ---------------------------------------------------------
+@pytest.fixture
+def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY",
+                 "no_proxy", "NO_PROXY", "REQUEST_METHOD"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_gcs_and_azure_reads_go_through_the_proxy(
+    gcs_store: tuple[HostileServer, dict[str, Any]], az_bucket: Any, no_proxy_env: pytest.MonkeyPatch
+) -> None:
+    store, opts = gcs_store
+    store.put("data", "a.bin", b"gcs bytes")
+    az_bucket.put("a.bin", b"azure bytes")
+    with HttpProxy() as proxy:
+        no_proxy_env.setenv("HTTP_PROXY", proxy.url)
+        assert _fetch("gs", opts, "gs://data/a.bin", 9, None) == b"gcs bytes"
+        assert any(t.startswith(f"{store.endpoint_url}/download/") for _, t in proxy.requests), proxy.requests
+        before = len(proxy.requests)
+        assert _fetch("az", az_bucket.storage_options, az_bucket.url("a.bin"), 11, None) == b"azure bytes"
+        assert len(proxy.requests) > before
+
+
+def test_gcs_a_refused_certificate_is_final_with_its_reason(
+    tmp_path: Any, no_proxy_env: pytest.MonkeyPatch
+) -> None:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(*self_signed(tmp_path))
+    with HostileServer(tls=ctx) as store:
+        store.put("data", "a.bin", b"x")
+        opts = {"endpoint_url": store.endpoint_url, "token": "anon"}
+        engine = FetchEngine(FetchOptions(attempts=3, timeout=5), "gs", opts)
+        try:
+            got = engine.fetch_many_sync([("gs://data/a.bin", 1, None)])[0]
+            assert engine.stats()["requests"] == 1  # not retried
+        finally:
+            engine.close()
+    assert isinstance(got, FetchError) and "self-signed certificate" in str(got), got

@@ -8,8 +8,6 @@ certificate made here (``blobdata.testing.HostileServer(tls=...)``), all in-proc
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import ssl
 from collections.abc import Iterator
@@ -17,16 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from blobdata._config import FetchOptions
 from blobdata._errors import ConfigError, FetchError
 from blobdata._fetch import FetchEngine
 from blobdata._stores.s3 import S3Reader
 from blobdata.testing import HostileServer, HttpProxy
+from tests.support.tls import self_signed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -43,27 +38,7 @@ def clean_network_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for localhost and 127.0.0.1: (cert.pem, key.pem)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tls")
-    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    pem = serialization.Encoding.PEM
-    pkcs8, clear = serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    key_path.write_bytes(key.private_bytes(pem, pkcs8, clear))
-    return cert_path, key_path
+    return self_signed(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture
