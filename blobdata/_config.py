@@ -19,6 +19,9 @@ Environment variables are read here and only here, when a setting is resolved (n
                                ``AZURE_STORAGE_ACCOUNT_KEY``, ``_SAS_TOKEN``, ``_CLIENT_ID``,
                                ``_CLIENT_SECRET``, ``_TENANT_ID`` (as adlfs reads them); no
                                credential means anonymous unless ``AZURE_STORAGE_ANON=false``
+``HTTP_PROXY``, ``HTTPS_PROXY``,  proxies of the S3, GCS and Azure readers, as botocore reads them
+``ALL_PROXY``, ``NO_PROXY``    (lower-case names too; see ``blobdata/_stores/network.py``)
+``AWS_CA_BUNDLE``              CA bundle of the S3 client (or ``ca_bundle`` in the AWS config file)
 =============================  ===============================================================
 
 Sizes accept ``"100GB"``, ``"512MiB"``, ``"8M"`` or plain ints (bytes); decimal units are powers of
