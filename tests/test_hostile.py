@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import tracemalloc
 from collections.abc import Iterator
 from typing import Any
@@ -66,7 +67,9 @@ def test_1_a_part_of_another_range_is_refused(store: HostileServer) -> None:
     store.mode = "wrong_range"
     got = _fetch(store, "big.bin", size=SIZE, identity=etag)
     assert isinstance(got, FetchError), "a part from the wrong offset was taken as the range asked"
-    assert "Content-Range" in str(got) and "bytes 65536-131071" in str(got)
+    # Whichever part failed first is named with the range it got and the one it asked for.
+    wrong = r"Content-Range 'bytes \d+-\d+/200000' with \d+ bytes, but bytes \d+-\d+ was asked"
+    assert re.search(wrong, str(got)), got
 
 
 def test_2_a_pinned_read_without_etag_is_not_a_match(store: HostileServer) -> None:

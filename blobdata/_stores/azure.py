@@ -28,7 +28,7 @@ from typing import Any
 
 from .._errors import ConfigError, NotFound, ObjectChanged, TransientError, translate
 from .base import ReadResult
-from .http import ProcessBound, check_content_range, lean_session
+from .http import ProcessBound, check_content_range, grown, lean_session
 from .network import proxy_url
 from .options import resolve_storage_options
 
@@ -38,9 +38,10 @@ _RANGE_TOTAL_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)")
 _UNSIZED_CAP = 1 << 30  # bytes of a whole read whose size was not listed
 
 
-def _head_check(url: str, first: int, end: int | None, cap: int) -> Any:
+def _head_check(url: str, first: int, end: int | None, cap: int, whole: bool, etag: str | None) -> Any:
     """A ``raw_response_hook`` that refuses a 2xx download whose head does not answer the request
-    (see the module docstring), closing it unread."""
+    (see the module docstring), closing it unread. ``whole``: a whole read of a listed size, which a
+    larger answer without the pinned ``etag`` shows to have changed."""
 
     def hook(pipeline_response: Any) -> None:
         resp = pipeline_response.http_response
@@ -64,6 +65,9 @@ def _head_check(url: str, first: int, end: int | None, cap: int) -> Any:
             internal = getattr(resp, "internal_response", None)
             if internal is not None and hasattr(internal, "close"):
                 internal.close()
+            if whole and length is not None and length.isdigit() and int(length) > cap:
+                same = etag is not None and headers.get("ETag", "").strip('"') == etag
+                raise grown(url, int(length), cap, same)
             raise TransientError("server", f"{url}: bad HTTP response ({problem})")
 
     return hook
@@ -195,9 +199,11 @@ class AzureReader:
             if end is not None:
                 kwargs["length"] = end - first
         known = end if end is not None else size
+        pinned = expect_identity.strip('"') if expect_identity else None
         kwargs["raw_response_hook"] = _head_check(
-            url, first, end, known - first if known is not None else _UNSIZED_CAP
-        )
+            url, first, end, known - first if known is not None else _UNSIZED_CAP,
+            whole=size is not None and start is None and end is None, etag=pinned,
+        )  # fmt: skip
         if expect_identity:
             kwargs.update(
                 etag=f'"{expect_identity.strip(chr(34))}"', match_condition=MatchConditions.IfNotModified

@@ -46,7 +46,7 @@ from .._errors import (
 )
 from .base import ReadResult
 from .fsspec import get_fs
-from .http import ProcessBound, check_content_range, lean_session, read_capped
+from .http import ProcessBound, check_content_range, grown, lean_session, read_capped
 from .network import proxy_url, redact_url
 from .options import resolve_storage_options
 
@@ -170,6 +170,11 @@ class GCSReader:
                         raise RangeIgnored(f"{url}: the store answered a ranged GET with the whole object")
                     if status == 206 and not ranged:
                         raise TransientError("server", f"{url}: bad HTTP response (206 to a whole read)")
+                    length = resp.content_length
+                    if size is not None and not ranged and length is not None and length > cap:
+                        # Larger than listed: a changed object, unless it carries the pinned generation.
+                        same = generation is not None and resp.headers.get("x-goog-generation") == generation
+                        raise grown(url, length, cap, same)
                     body = await read_capped(resp, max(cap, 0), url)
                     length = resp.content_length
                     if length is not None and len(body) != length:

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_HEAD",
     "TARGET_RE",
     "BadResponse",
+    "BodyTooLarge",
     "Conn",
     "ConnectionLost",
     "Headers",
@@ -51,6 +52,15 @@ class BadResponse(Exception):
 
 class RangeIgnored(BadResponse):
     """A ranged GET was answered ``200`` (the whole object): refused at the head, body unread."""
+
+
+class BodyTooLarge(BadResponse):
+    """A 2xx head announced more than ``max_body`` bytes (``length``); ``headers`` are the head's,
+    for the caller to tell a changed object from a lying server. Refused before any buffer."""
+
+    def __init__(self, message: str, length: int, headers: Headers) -> None:
+        super().__init__(message)
+        self.length, self.headers = length, headers
 
 
 class ConnectionLost(ConnectionError):
@@ -284,7 +294,10 @@ class Conn(asyncio.BufferedProtocol):
             if self.need > ERROR_BODY_CAP:
                 self.need, self.keep_alive = ERROR_BODY_CAP, False
         elif self.need > self.max_body:  # before any buffer is made
-            raise BadResponse(f"Content-Length {self.need} is more than the {self.max_body} bytes asked for")
+            raise BodyTooLarge(
+                f"Content-Length {self.need} is more than the {self.max_body} bytes asked for",
+                self.need, Headers(headers),
+            )  # fmt: skip
         self.body = bytearray(self.need)
         self.view = memoryview(self.body)
         self.state = _LENGTH

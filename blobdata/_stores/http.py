@@ -19,9 +19,9 @@ from typing import Any, Generic, TypeVar
 import aiohttp
 
 from .. import _process
-from .._errors import TransientError
+from .._errors import ObjectChanged, TransientError
 
-__all__ = ["ProcessBound", "check_content_range", "lean_session", "read_capped"]
+__all__ = ["ProcessBound", "check_content_range", "grown", "lean_session", "read_capped"]
 
 _CONTENT_RANGE_RE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 
@@ -140,3 +140,18 @@ async def read_capped(resp: aiohttp.ClientResponse, cap: int, url: str) -> bytes
         if got > cap:
             raise TransientError("server", f"{url}: bad HTTP response (a body over the {cap} bytes asked)")
         chunks.append(chunk)
+
+
+def grown(url: str, announced: int | None, listed: int, confirmed: bool) -> Exception:
+    """The error for a whole read whose answer is larger than the listed size: ``confirmed`` (the
+    answer carries the listed identity) means the store answers wrongly, a retryable error; else the
+    object changed since it was listed (or nothing shows it did not): ObjectChanged, final."""
+    said = f"Content-Length {announced}" if announced is not None else "a longer body"
+    if confirmed:
+        what = f"{said} for the listed version of {listed} bytes"
+        return TransientError("server", f"{url}: bad HTTP response ({what})")
+    return ObjectChanged(
+        f"{url}: the store answers with {said} but {listed} bytes were listed: the object changed since "
+        "it was listed (rebuild the listing with refresh=True), or the store or a proxy answers wrongly",
+        url,
+    )

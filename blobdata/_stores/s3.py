@@ -43,9 +43,9 @@ import yarl
 from .._config import env
 from .._errors import ConfigError, FetchError, ObjectChanged, RangeIgnored, TransientError, from_status
 from .base import ReadResult
-from .h1 import MAX_BODY, BadResponse, H1Pool, IncompleteBody, ProxyError, Response
+from .h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
 from .h1 import RangeIgnored as _H1RangeIgnored
-from .http import ProcessBound, check_content_range
+from .http import ProcessBound, check_content_range, grown
 from .network import ca_bundle, proxy_settings, redact_url
 from .options import resolve_storage_options
 from .s3xml import ListPage, list_query, parse_list_page
@@ -191,6 +191,7 @@ class S3Reader:
         *,
         max_body: int,
         ranged: bool = False,
+        too_large: Callable[[BodyTooLarge], Exception] | None = None,
     ) -> T:
         """One signed GET of ``key`` (the bucket itself when None) with the canonical ``query``; no retries.
 
@@ -199,7 +200,8 @@ class S3Reader:
         region the store named; transport failures become :class:`~blobdata._errors.TransientError`,
         except a refused TLS handshake or proxy, which are final. ``timeout`` (seconds) bounds the
         whole request, connect to last byte; ``max_body`` (bytes) bounds a 2xx body; ``ranged``:
-        the headers ask for a range (a 200 raises :class:`~blobdata._errors.RangeIgnored`).
+        the headers ask for a range (a 200 raises :class:`~blobdata._errors.RangeIgnored`);
+        ``too_large`` makes the error for a Content-Length over ``max_body`` (default: retryable).
         """
         pool = self._pools.get()
         # Static and anonymous credentials without a coroutine per request; the chain awaits.
@@ -225,8 +227,10 @@ class S3Reader:
                 raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
             except _H1RangeIgnored as exc:
                 raise RangeIgnored(f"{url}: the store answered a ranged GET with the whole object") from exc
+            except BodyTooLarge as exc:
+                raise (too_large(exc) if too_large is not None else _bad(url, exc)) from exc
             except BadResponse as exc:
-                raise TransientError("server", f"{url}: bad HTTP response ({exc})") from exc
+                raise _bad(url, exc) from exc
             except IncompleteBody as exc:
                 raise TransientError("short_read", f"{url}: connection closed mid-body") from exc
             except ssl.SSLError as exc:
@@ -296,9 +300,15 @@ class S3Reader:
         def on_success(resp: Response) -> ReadResult:
             return self._check(url, resp, start, end, expect_etag, expect_version, expect_identity)
 
+        def too_large(exc: BodyTooLarge) -> Exception:
+            # A whole read larger than listed: a changed object, unless it carries the pinned ETag.
+            etag = (exc.headers.get("ETag") or "").strip('"')
+            return grown(url, exc.length, bound, bool(expect_etag) and etag == expect_etag)
+
         return await self._send(
-            bucket, key, "", headers, timeout, url, on_success, max_body=max(bound, 0), ranged=ranged
-        )
+            bucket, key, "", headers, timeout, url, on_success, max_body=max(bound, 0), ranged=ranged,
+            too_large=too_large if size is not None and not ranged else None,
+        )  # fmt: skip
 
     async def list_page(
         self,
@@ -377,6 +387,10 @@ def _error_code(body: bytes) -> str:
     """The S3 error code (``NoSuchBucket``, ``SlowDown``, ...) of an error response body, or ``""``."""
     m = _CODE_RE.search(body)
     return m.group(1).decode(errors="replace") if m else ""
+
+
+def _bad(url: str, exc: BadResponse) -> TransientError:
+    return TransientError("server", f"{url}: bad HTTP response ({exc})")
 
 
 def _tls_error(url: str, origin: str, exc: ssl.SSLError) -> Exception:
