@@ -19,6 +19,9 @@ Environment variables are read here and only here, when a setting is resolved (n
                                ``AZURE_STORAGE_ACCOUNT_KEY``, ``_SAS_TOKEN``, ``_CLIENT_ID``,
                                ``_CLIENT_SECRET``, ``_TENANT_ID`` (as adlfs reads them); no
                                credential means anonymous unless ``AZURE_STORAGE_ANON=false``
+``HTTP_PROXY``, ``HTTPS_PROXY``,  proxies of the S3, GCS and Azure readers, as botocore reads them
+``ALL_PROXY``, ``NO_PROXY``    (lower-case names too; see ``blobdata/_stores/network.py``)
+``AWS_CA_BUNDLE``              CA bundle of the S3 client (or ``ca_bundle`` in the AWS config file)
 =============================  ===============================================================
 
 Sizes accept ``"100GB"``, ``"512MiB"``, ``"8M"`` or plain ints (bytes); decimal units are powers of
@@ -128,6 +131,8 @@ class FetchOptions:
     backoff:         first backoff in seconds, doubled each retry with full jitter (default 0.1).
     max_backoff:     cap of a single backoff in seconds (default 5).
     part_size:       objects larger than this are fetched as parallel range requests (default 8 MiB).
+    listing_timeout: deadline in seconds of a whole S3 listing, every page and retry included
+                     (default 3600): a store that keeps sending pages cannot keep it going for ever.
     """
 
     concurrency: int = 64
@@ -136,6 +141,7 @@ class FetchOptions:
     backoff: float = 0.1
     max_backoff: float = 5.0
     part_size: int = 8 * 1024**2
+    listing_timeout: float = 3600.0
 
     def __init__(
         self,
@@ -147,6 +153,7 @@ class FetchOptions:
         backoff: float | str = 0.1,
         max_backoff: float | str = 5.0,
         part_size: int | str = 8 * 1024**2,
+        listing_timeout: float | str = 3600.0,
     ) -> None:
         if concurrency is None:
             raw = env("BLOBDATA_CONCURRENCY")
@@ -184,6 +191,7 @@ class FetchOptions:
         set_(self, "backoff", parse_duration(backoff, name="backoff"))
         set_(self, "max_backoff", parse_duration(max_backoff, name="max_backoff"))
         set_(self, "part_size", part)
+        set_(self, "listing_timeout", parse_duration(listing_timeout, name="listing_timeout"))
 
     @property
     def retries(self) -> int:

@@ -177,6 +177,11 @@ class TransientError(Exception):
             self.retry_after = None  # an HTTP date: ignored, the backoff applies
 
 
+class RangeIgnored(Exception):
+    """The store answered a ranged read with the whole object (HTTP 200 to a ``Range`` request;
+    internal: the fetch engine then reads the object once, whole, instead of once per part)."""
+
+
 #: What to check when a store refuses the credentials, per store.
 _CREDENTIAL_HINTS = {
     "s3": "check the credentials (key/secret, AWS_PROFILE, AWS_ACCESS_KEY_ID) and the bucket policy, or "
@@ -270,6 +275,7 @@ _CONNECTION_NAMES = frozenset({
     "ServiceRequestError", "ServiceResponseError", "ClientConnectionError", "ClientOSError",
     "ServerDisconnectedError", "ClientPayloadError",
 })  # fmt: skip
+_TLS_REFUSED_NAMES = frozenset({"SSLCertVerificationError", "ClientConnectorCertificateError"})
 _CREDENTIAL_NAMES = frozenset({"NoCredentialsError", "PartialCredentialsError", "ClientAuthenticationError"})
 
 
@@ -298,6 +304,13 @@ def translate(
             return from_status(url, status, code=code, store=store, what=what,
                                retry_after=_retry_after(e), expected=expected)  # fmt: skip
     names = {type(e).__name__ for e in _chain(exc)}
+    refused = next((e for e in _chain(exc) if type(e).__name__ in _TLS_REFUSED_NAMES), None)
+    if refused is not None:  # a certificate the client refused: final, no attempt can succeed
+        cause = getattr(refused, "certificate_error", None) or refused
+        reason = getattr(cause, "verify_message", None) or getattr(cause, "reason", None)
+        reason = reason or type(cause).__name__
+        return FetchError(f"{head}: TLS certificate verification failed ({reason}); name the CA bundle that "
+                          "signed the server's certificate, or check the endpoint", url)  # fmt: skip
     if names & _CREDENTIAL_NAMES:
         hint = _CREDENTIAL_HINTS.get(store, "set them in storage_options or the environment")
         return AccessDenied(f"{head}: no usable credentials; {hint}", url)

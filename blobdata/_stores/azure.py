@@ -9,9 +9,14 @@ process and refreshed by the SDK, never per request.
 
 A read with an expected identity sends ``If-Match`` (``etag=``, ``MatchConditions.IfNotModified``):
 a replaced blob fails with 412, reported as :class:`ObjectChanged`. The identity is the ETag without
-quotes, as :func:`identity` lists it. The SDK's own retries are off
-(the engine owns the one retry budget) and its exception texts are never echoed: they can hold the
-request URL, SAS signature included.
+quotes, as :func:`identity` lists it; a pinned read whose answer carries no ETag is refused. The
+SDK's own retries are off (the engine owns the one retry budget) and its exception texts are never
+echoed: they can hold the request URL, SAS signature included.
+
+Every answer is checked at its head, before the SDK reads its body (a ``raw_response_hook``): Blob
+Storage always states a Content-Length, so a 2xx without one (chunked, or until the server closes),
+with a Content-Length above what was asked (the range or the listed size), with a transfer coding,
+or with a ``Content-Range`` that is not the range asked, is refused and retried, never read.
 """
 
 from __future__ import annotations
@@ -21,14 +26,51 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .._errors import ConfigError, NotFound, ObjectChanged, translate
+from .._errors import ConfigError, NotFound, ObjectChanged, TransientError, translate
 from .base import ReadResult
-from .http import ProcessBound, lean_session
+from .http import ProcessBound, check_content_range, grown, lean_session
+from .network import proxy_url
 from .options import resolve_storage_options
 
 __all__ = ["AzureReader", "identity"]
 
 _RANGE_TOTAL_RE = re.compile(r"bytes\s+\d+-\d+/(\d+)")
+_UNSIZED_CAP = 1 << 30  # bytes of a whole read whose size was not listed
+
+
+def _head_check(url: str, first: int, end: int | None, cap: int, whole: bool, etag: str | None) -> Any:
+    """A ``raw_response_hook`` that refuses a 2xx download whose head does not answer the request
+    (see the module docstring), closing it unread. ``whole``: a whole read of a listed size, which a
+    larger answer without the pinned ``etag`` shows to have changed."""
+
+    def hook(pipeline_response: Any) -> None:
+        resp = pipeline_response.http_response
+        if not 200 <= resp.status_code < 300:
+            return
+        headers = resp.headers
+        te, length = headers.get("Transfer-Encoding"), headers.get("Content-Length")
+        problem = ""
+        if te is not None:
+            problem = f"Transfer-Encoding {te[:40]!r}: Blob Storage sends a Content-Length"
+        elif length is None or not (length.isascii() and length.isdigit()):
+            problem = f"Content-Length {length!r}"
+        elif int(length) > cap:
+            problem = f"Content-Length {length} is more than the {cap} bytes asked"
+        elif resp.status_code == 206:
+            try:
+                check_content_range(url, headers.get("Content-Range"), first, end, int(length))
+            except TransientError as exc:
+                problem = str(exc).partition("(")[2].rstrip(")")
+        if problem:
+            internal = getattr(resp, "internal_response", None)
+            if internal is not None and hasattr(internal, "close"):
+                internal.close()
+            if whole and length is not None and length.isdigit() and int(length) > cap:
+                same = etag is not None and headers.get("ETag", "").strip('"') == etag
+                raise grown(url, int(length), cap, same)
+            raise TransientError("server", f"{url}: bad HTTP response ({problem})")
+
+    return hook
 
 
 async def _close_client(client: Any) -> None:
@@ -56,6 +98,10 @@ def _service_client(opts: Mapping[str, Any], concurrency: int) -> Any:
         **timeouts,
     }
     if opts.get("connection_string"):
+        endpoint = _endpoint_of(str(opts["connection_string"]))
+        proxy = proxy_url(opts, endpoint) if endpoint else None
+        if proxy:
+            kwargs["proxies"] = {"http": proxy, "https": proxy}
         return BlobServiceClient.from_connection_string(
             opts["connection_string"], credential=opts.get("credential"), **kwargs
         )
@@ -70,6 +116,9 @@ def _service_client(opts: Mapping[str, Any], concurrency: int) -> Any:
             "az:// needs storage_options with connection_string or account_name (or the environment's "
             "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_NAME)"
         )
+    proxy = proxy_url(opts, url)
+    if proxy:
+        kwargs["proxies"] = {"http": proxy, "https": proxy}
     credential: Any = opts.get("credential")
     if credential is None and opts.get("account_key"):
         credential = {"account_name": account, "account_key": opts["account_key"]}
@@ -86,6 +135,18 @@ def _service_client(opts: Mapping[str, Any], concurrency: int) -> Any:
 
         credential = DefaultAzureCredential()
     return BlobServiceClient(url, credential=credential, **kwargs)
+
+
+def _endpoint_of(connection_string: str) -> str | None:
+    """The blob endpoint a connection string names (None: the SDK's default for its account)."""
+    parts = dict(p.split("=", 1) for p in connection_string.split(";") if "=" in p)
+    if parts.get("BlobEndpoint"):
+        return parts["BlobEndpoint"]
+    if parts.get("UseDevelopmentStorage") == "true":
+        return "http://127.0.0.1:10000"
+    account, suffix = parts.get("AccountName"), parts.get("EndpointSuffix", "core.windows.net")
+    scheme = parts.get("DefaultEndpointsProtocol", "https")
+    return f"{scheme}://{account}.blob.{suffix}" if account else None
 
 
 class AzureReader:
@@ -120,6 +181,7 @@ class AzureReader:
         end: int | None = None,
         expect_identity: str | None = None,
         timeout: float = 30.0,
+        size: int | None = None,
     ) -> ReadResult:
         """One download of ``az://container/key`` (bytes ``[start, end)`` when given), no retries.
 
@@ -131,10 +193,17 @@ class AzureReader:
         url = f"az://{bucket}/{key}"
         blob = self._clients.get().get_blob_client(bucket, key)
         kwargs: dict[str, Any] = {"max_concurrency": 1}
+        first = start or 0
         if start is not None or end is not None:
-            kwargs["offset"] = start or 0
+            kwargs["offset"] = first
             if end is not None:
-                kwargs["length"] = end - (start or 0)
+                kwargs["length"] = end - first
+        known = end if end is not None else size
+        pinned = expect_identity.strip('"') if expect_identity else None
+        kwargs["raw_response_hook"] = _head_check(
+            url, first, end, known - first if known is not None else _UNSIZED_CAP,
+            whole=size is not None and start is None and end is None, etag=pinned,
+        )  # fmt: skip
         if expect_identity:
             kwargs.update(
                 etag=f'"{expect_identity.strip(chr(34))}"', match_condition=MatchConditions.IfNotModified
@@ -153,7 +222,14 @@ class AzureReader:
                 err = NotFound(f"{url}: no such blob (HTTP 404); rebuild the listing with refresh=True", url)
             raise err from None
         etag = str(props.etag or "").strip('"')
-        if expect_identity and etag and etag != expect_identity.strip('"'):
+        if expect_identity and not etag:
+            raise ObjectChanged(
+                f"{url}: the store's answer carries no ETag, so it cannot be shown to be the listed "
+                f"version ({expect_identity}); a proxy between here and the store may drop ETags and "
+                "ignore If-Match. Nothing was returned, to never mix two versions",
+                url,
+            )
+        if expect_identity and etag != expect_identity.strip('"'):
             raise ObjectChanged(
                 f"{url} changed since it was listed (ETag {expect_identity} listed, {etag} now): rebuild "
                 "the listing with refresh=True",

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-__all__ = ["Entry", "Lister", "ReadResult", "Reader"]
+from .._errors import ManifestError
+
+__all__ = ["MAX_LISTED_SIZE", "Entry", "Lister", "ReadResult", "Reader", "listed_size"]
+
+#: The largest object size a listing may state, in bytes (1 PiB; S3's own limit is 50 TB).
+MAX_LISTED_SIZE = 1 << 50
 
 
 class ReadResult(NamedTuple):
@@ -28,14 +33,34 @@ class ReadResult(NamedTuple):
 Entry = tuple[str, int, str]
 
 
+def listed_size(value: object, url: str) -> int:
+    """A listed object's size in bytes, from the store's text or number; a :class:`ManifestError`
+    naming ``url`` (the object) when it is not a whole number from 0 to :data:`MAX_LISTED_SIZE`."""
+    text = str(value).strip()
+    if isinstance(value, bool) or not (text.isascii() and text.isdigit()) or len(text) > 16:
+        size = -1
+    else:
+        size = int(text)
+    if not 0 <= size <= MAX_LISTED_SIZE:
+        raise ManifestError(
+            f"the listing states a size of {text[:40]!r} bytes for {url}, not a whole number from 0 to "
+            f"{MAX_LISTED_SIZE}: the store or a proxy sent a corrupt listing",
+            url,
+        )
+    return size
+
+
 class Reader(Protocol):
     """Reads one object (or the byte range ``[start, end)``) in one attempt.
 
     Must raise NotFound / AccessDenied / ObjectChanged / FetchError for final failures and
     :class:`~blobdata._errors.TransientError` for retryable ones (a body shorter than announced is
     ``short_read``, retried like a reset), and honour ``timeout`` (seconds). With ``expect_identity``
-    it must refuse (ObjectChanged) an object whose identity differs, where the store can tell. For
-    ``file``/``memory`` the bucket is ``""`` and the key is the path.
+    it must refuse (ObjectChanged) an object whose identity differs, where the store can tell, and
+    never take an answer without an identity as a match. ``size`` is the listed size in bytes (None
+    if unknown): a network reader refuses a body longer than that (or than the range) before
+    buffering it, and may raise :class:`~blobdata._errors.RangeIgnored` when a store answers a
+    range with the whole object. For ``file``/``memory`` the bucket is ``""`` and the key is the path.
     """
 
     async def read(
@@ -47,6 +72,7 @@ class Reader(Protocol):
         end: int | None,
         expect_identity: str | None,
         timeout: float,
+        size: int | None = None,
     ) -> ReadResult: ...
 
     async def close(self) -> None: ...

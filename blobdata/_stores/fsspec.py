@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Mapping
@@ -24,12 +25,13 @@ from .._errors import AccessDenied, ConfigError, translate
 from .._loop import get_loop
 from .._retry import with_retries
 from .._url import BlobURL
-from .base import Entry, ReadResult
+from .base import Entry, ReadResult, listed_size
 from .options import options_token
 
 __all__ = ["AsyncFsLister", "FsspecReader", "MemoryLister", "bounded", "get_fs", "memory_identity"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _cache: dict[tuple[int, str, str], Any] = {}
 
@@ -129,6 +131,7 @@ class FsspecReader:
         end: int | None,
         expect_identity: str | None,
         timeout: float,
+        size: int | None = None,
     ) -> ReadResult:
         fs = get_fs(self.protocol, self._options)
         path = f"{bucket}/{key}" if bucket else key
@@ -190,7 +193,17 @@ class AsyncFsLister:
             lambda: self.fs._find(path, detail=True, withdirs=False), url=f"{self.url}/{folder}",
             options=self.options, store=self.store,
         )  # fmt: skip
-        return [(self._rel(n), int(i.get("size") or 0), self.identity(i)) for n, i in found.items()]
+        inside = {n: i for n, i in found.items() if n.startswith(path + "/")}
+        if len(inside) < len(found):
+            outside = [f"{self.url.protocol}://{n}" for n in found if n not in inside]
+            logger.warning("listing of %s: dropped %d key(s) outside the requested prefix: %s; the store or "
+                           "a proxy answered for another prefix", self.url, len(outside),
+                           ", ".join(outside[:5]))  # fmt: skip
+        scheme = self.url.protocol
+        return [
+            (self._rel(n), listed_size(i.get("size") or 0, f"{scheme}://{n}"), self.identity(i))
+            for n, i in inside.items()
+        ]
 
     async def aclose(self) -> None:
         """Nothing to do: the client is shared through :func:`get_fs`."""

@@ -15,6 +15,11 @@ Emulators: gcp-storage-emulator ignores ``generation=``, sends no ``x-goog-gener
 no credentials. When the header is missing the reader asks the object's metadata *after* the
 download; generations only grow, so a metadata generation equal to the expected one proves the
 bytes were that version (one extra request per read, on such stores only).
+
+Responses are checked as the S3 reader checks them (:mod:`.s3`): 200 for a whole read, 206 with the
+exact ``Content-Range`` for a ranged one (a 200 raises :class:`~blobdata._errors.RangeIgnored` before
+its body is read), bodies bounded by the range or the listed size whatever the framing, only
+``chunked`` transfer coding.
 """
 
 from __future__ import annotations
@@ -32,19 +37,23 @@ import yarl
 from .. import _process
 from .._errors import (
     BlobdataError,
+    FetchError,
     NotFound,
     ObjectChanged,
+    RangeIgnored,
     TransientError,
     from_status,
 )
 from .base import ReadResult
 from .fsspec import get_fs
-from .http import ProcessBound, lean_session
+from .http import ProcessBound, check_content_range, grown, lean_session, read_capped
+from .network import proxy_url, redact_url
 from .options import resolve_storage_options
 
 __all__ = ["GCSReader", "identity"]
 
 _DEFAULT_LOCATION = "https://storage.googleapis.com"
+_UNSIZED_CAP = 1 << 30  # bytes of a whole read whose size was not listed
 _REFRESH_MARGIN_S = 300.0  # refresh a token this long before it expires (gcsfs uses the same margin)
 
 
@@ -65,12 +74,14 @@ class GCSReader:
             payer if isinstance(payer, str) else (self._options.get("project") if payer else None)
         )
         self._concurrency = concurrency
+        # HTTP(S)_PROXY / ALL_PROXY / NO_PROXY as for S3 (:mod:`.network`); None: direct.
+        self._proxy = proxy_url(self._options, self._location)
         self._sessions = ProcessBound(self._new_session, aiohttp.ClientSession.close)
         self._auth: tuple[int, Any] | None = None  # (pid, gcsfs GoogleCredentials)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def __repr__(self) -> str:
-        return f"GCSReader(endpoint={self._location!r})"
+        return f"GCSReader(endpoint={redact_url(self._location)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -126,19 +137,24 @@ class GCSReader:
         end: int | None = None,
         expect_identity: str | None = None,
         timeout: float = 30.0,
+        size: int | None = None,
     ) -> ReadResult:
         """One GET of ``gs://bucket/key`` (bytes ``[start, end)`` when given), no retries.
 
-        ``expect_identity`` is the listed generation; ``timeout`` (seconds) bounds each request.
+        ``expect_identity`` is the listed generation; ``timeout`` (seconds) bounds each request;
+        ``size`` (the listed size, bytes) bounds a whole read's body.
         """
         url = f"gs://{bucket}/{key}"
         # Only a generation (digits) can be pinned; anything else (an etag) is merely compared.
         generation = expect_identity if expect_identity and expect_identity.isdigit() else None
         session = self._sessions.get()
         headers = await self._headers()
-        if start is not None or end is not None:
-            first = start or 0
+        ranged = start is not None or end is not None
+        first = start or 0
+        if ranged:
             headers["Range"] = f"bytes={first}-{end - 1}" if end is not None else f"bytes={first}-"
+        known = end if end is not None else size
+        cap = known - first if known is not None else _UNSIZED_CAP
         client_timeout = self._timeouts.get(timeout)
         if client_timeout is None:
             client_timeout = self._timeouts[timeout] = aiohttp.ClientTimeout(total=timeout)
@@ -146,11 +162,20 @@ class GCSReader:
         body, got, content_range = b"", None, ""
         try:
             async with session.get(
-                target, headers=headers, timeout=client_timeout, allow_redirects=False
+                target, headers=headers, timeout=client_timeout, allow_redirects=False, proxy=self._proxy
             ) as resp:
                 status = resp.status
                 if status in (200, 206):
-                    body = await resp.read()
+                    if ranged and status == 200:
+                        raise RangeIgnored(f"{url}: the store answered a ranged GET with the whole object")
+                    if status == 206 and not ranged:
+                        raise TransientError("server", f"{url}: bad HTTP response (206 to a whole read)")
+                    length = resp.content_length
+                    if size is not None and not ranged and length is not None and length > cap:
+                        # Larger than listed: a changed object, unless it carries the pinned generation.
+                        same = generation is not None and resp.headers.get("x-goog-generation") == generation
+                        raise grown(url, length, cap, same)
+                    body = await read_capped(resp, max(cap, 0), url)
                     length = resp.content_length
                     if length is not None and len(body) != length:
                         raise TransientError("short_read", f"{url}: got {len(body)} of {length} bytes")
@@ -162,8 +187,12 @@ class GCSReader:
             raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
         except aiohttp.ClientPayloadError as exc:
             raise TransientError("short_read", f"{url}: connection closed mid-body") from exc
+        except aiohttp.ClientSSLError as exc:  # a refused certificate or handshake: no retry helps
+            raise _tls_error(url, self._location, exc) from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise TransientError("connection", f"{url}: connection failed ({type(exc).__name__})") from exc
+            via = " through the proxy from the environment" if self._proxy else ""
+            what = f"connection failed ({type(exc).__name__}){via}"
+            raise TransientError("connection", f"{url}: {what}") from exc
         if status not in (200, 206):
             if status == 404 and expect_identity:
                 # The listed generation is gone: changed if the object itself is still there.
@@ -180,10 +209,7 @@ class GCSReader:
             raise _changed(url, expect_identity, got)
         total: int | None = len(body)
         if status == 206:
-            _, _, size = content_range.rpartition("/")
-            total = int(size) if size.isdigit() else None
-        elif start is not None or end is not None:
-            body = body[start or 0 : end]  # the store ignored Range and sent everything
+            total = check_content_range(url, content_range, first, end, len(body))
         return ReadResult(body, got or expect_identity or "", total)
 
     async def _generation(
@@ -199,7 +225,7 @@ class GCSReader:
         meta_headers = {k: v for k, v in headers.items() if k.lower() != "range"}
         target = self._object_url(bucket, key, media=False, generation=None)
         try:
-            async with session.get(target, headers=meta_headers, timeout=timeout) as resp:
+            async with session.get(target, headers=meta_headers, timeout=timeout, proxy=self._proxy) as resp:
                 raw = await resp.content.read(65536)
                 status = resp.status
         except asyncio.TimeoutError as exc:
@@ -215,6 +241,12 @@ class GCSReader:
         except (ValueError, AttributeError):
             raise TransientError("server", f"{url}: unreadable object metadata") from None
         return str(generation) if generation is not None else None
+
+
+def _tls_error(url: str, location: str, exc: aiohttp.ClientSSLError) -> FetchError:
+    cause = getattr(exc, "certificate_error", None) or getattr(exc, "os_error", None) or exc
+    reason = getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or str(cause)
+    return FetchError(f"{url}: TLS with {redact_url(location)} failed: {reason}", url)
 
 
 def _changed(url: str, expected: str, current: str) -> ObjectChanged:

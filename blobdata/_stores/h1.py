@@ -5,15 +5,19 @@ stream readers, timers per phase); this client parses the response in an
 :class:`asyncio.BufferedProtocol` and receives a Content-Length body straight into a pre-sized
 buffer, about half of that. GCS and Azure keep aiohttp (``_http.py``).
 
-Scope, deliberately narrow: GET without a body, no redirects, cookies, proxies or decompression
-(bytes arrive as stored). Bodies by Content-Length, ``Transfer-Encoding: chunked``, or until the
-server closes. A failure is never retried here, not even on a reused keep-alive connection that the
-server closed: blobdata's engine owns the one retry budget. Errors:
+Scope, deliberately narrow: GET without a body, no redirects, cookies or decompression (bytes
+arrive as stored). Bodies by Content-Length, ``Transfer-Encoding: chunked``, or until the server
+closes, each bounded by the ``max_body`` the caller gives (:mod:`.h1_protocol`). HTTP proxies
+(:mod:`.network`): ``http://`` origins through a forward proxy (absolute-form requests), ``https://``
+ones through a ``CONNECT`` tunnel. A failure is never retried here, not even on a reused keep-alive
+connection that the server closed: blobdata's engine owns the one retry budget. Errors:
 
 - :class:`ConnectionLost` (a ``ConnectionError``): closed or reset before a complete response head;
-  ``OSError`` from connect/TLS passes through as is.
+  ``OSError`` from connect/TLS passes through as is (``ssl.SSLError`` for a failed handshake).
+- :class:`ProxyError` (a ``ConnectionError``): the proxy could not be reached or refused the tunnel.
 - :class:`IncompleteBody` (a ``ConnectionError``): closed mid-body.
-- :class:`BadResponse`: not HTTP/1.x, or a head over 64 KiB.
+- :class:`BadResponse`: not HTTP/1.x, a head over 64 KiB, a body over ``max_body``, or a status that
+  does not answer the request (:class:`RangeIgnored`: a ranged GET answered 200).
 - ``TimeoutError``: the request's deadline (connect to last byte) passed.
 """
 
@@ -24,28 +28,76 @@ import re
 import ssl
 from collections import deque
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from .h1_protocol import (
     ERROR_BODY_CAP,
+    MAX_BODY,
     MAX_HEAD,
     TARGET_RE,
     BadResponse,
+    BodyTooLarge,
     Conn,
     ConnectionLost,
     IncompleteBody,
+    RangeIgnored,
     Response,
     expire,
 )
+from .network import Proxy, ProxySettings, redact_url
 
 __all__ = [
     "ERROR_BODY_CAP",
+    "MAX_BODY",
     "MAX_HEAD",
     "BadResponse",
+    "BodyTooLarge",
     "ConnectionLost",
     "H1Pool",
     "IncompleteBody",
+    "ProxyError",
+    "RangeIgnored",
     "Response",
 ]
+
+
+class ProxyError(ConnectionError):
+    """The proxy could not be reached, or refused the tunnel; ``final`` when retrying cannot help
+    (it answered 403 or 407: the destination is blocked or the proxy wants other credentials)."""
+
+    def __init__(self, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
+
+
+class _Route(NamedTuple):
+    """How to reach one origin: host, port, TLS context (None: plain), proxy (None: direct), the
+    request-target prefix (the origin itself through a forward proxy) and extra header lines."""
+
+    host: str
+    port: int
+    ctx: ssl.SSLContext | None
+    proxy: Proxy | None
+    prefix: str
+    extra: str
+
+
+class _Tunnel(asyncio.Protocol):
+    """Reads the proxy's answer to CONNECT: one response head, nothing after it."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.head: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        end = self.buf.find(b"\r\n\r\n")
+        if not self.head.done() and (end >= 0 or len(self.buf) > MAX_HEAD):
+            self.head.set_result(bytes(self.buf))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.head.done():
+            self.head.set_result(bytes(self.buf))
 
 
 class H1Pool:
@@ -54,10 +106,18 @@ class H1Pool:
     ``limit`` connections at most, all origins together; a request beyond it waits for a free one.
     Idle connections are reused last-in first-out and closed after ``idle_timeout`` seconds
     (default 30). ``verify`` is botocore's: True (default), False (no certificate check) or a CA
-    bundle path. Hold it in :class:`blobdata._stores.http.ProcessBound` so a forked child makes its own.
+    bundle path. ``proxies`` (default: none) says which origins are reached through which proxy.
+    Hold it in :class:`blobdata._stores.http.ProcessBound` so a forked child makes its own.
     """
 
-    def __init__(self, limit: int, *, verify: bool | str = True, idle_timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        limit: int,
+        *,
+        verify: bool | str = True,
+        idle_timeout: float = 30.0,
+        proxies: ProxySettings | None = None,
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._limit = limit
         self._busy = 0  # requests holding a connection slot
@@ -65,15 +125,28 @@ class H1Pool:
         self._idle_timeout = idle_timeout
         self._idle: dict[str, list[Conn]] = {}
         self._conns: set[Conn] = set()
-        self._origins: dict[str, tuple[str, int, ssl.SSLContext | None]] = {}
+        self._origins: dict[str, _Route] = {}
+        self._proxies = proxies
         self._sweeper: asyncio.TimerHandle | None = None
         self._closed = False
         self._ssl: ssl.SSLContext | None = None
         self._verify = verify
 
-    async def get(self, origin: str, target: str, headers: Mapping[str, str], timeout: float) -> Response:
+    async def get(
+        self,
+        origin: str,
+        target: str,
+        headers: Mapping[str, str],
+        timeout: float,
+        *,
+        max_body: int = MAX_BODY,
+        ranged: bool = False,
+    ) -> Response:
         """GET ``target`` (path and query, already encoded) from ``origin`` (``http[s]://host[:port]``)
-        with ``headers`` (Host included), within ``timeout`` seconds from now, connect to last byte."""
+        with ``headers`` (Host included), within ``timeout`` seconds from now, connect to last byte.
+
+        ``max_body``: the most bytes a 2xx body may have (a larger one is :class:`BadResponse`, no
+        buffer made for it); ``ranged``: ``headers`` ask for a range, so only a 206 is a success."""
         loop = self._loop
         deadline = loop.time() + timeout
         if self._closed:
@@ -85,7 +158,8 @@ class H1Pool:
             or not TARGET_RE.fullmatch(target)
         ):
             raise ValueError("a header or the request target contains a line break or a space")
-        request = f"GET {target} HTTP/1.1\r\n{lines}\r\n".encode("latin-1")
+        route = self._origins.get(origin) or self._parse(origin)
+        request = f"GET {route.prefix}{target} HTTP/1.1\r\n{lines}{route.extra}\r\n".encode("latin-1")
         if self._busy < self._limit and not self._waiters:
             self._busy += 1
         else:
@@ -95,9 +169,9 @@ class H1Pool:
         try:
             conn = self._take_idle(origin)
             if conn is None:
-                conn = await self._connect(origin, deadline)
+                conn = await self._connect(origin, route, deadline)
             fut: asyncio.Future[Response] = loop.create_future()
-            conn.send(request, fut)
+            conn.send(request, fut, max_body, ranged)
             timer = loop.call_at(deadline, conn.expire)
             try:
                 resp = await fut
@@ -174,20 +248,14 @@ class H1Pool:
         if oldest is not None:
             self._sweeper = self._loop.call_at(oldest + self._idle_timeout, self._sweep)
 
-    async def _connect(self, origin: str, deadline: float) -> Conn:
-        target = self._origins.get(origin) or self._parse(origin)
-        host, port, ctx = target
+    async def _connect(self, origin: str, route: _Route, deadline: float) -> Conn:
         if len(self._conns) >= self._limit:  # an idle one for another origin: the limit is global
             stacks = [s for s in self._idle.values() if s]
             if stacks:
                 victim = min(stacks, key=lambda s: s[0].idle_since).pop(0)
                 victim.abort()
         # Connecting is rare (a new keep-alive connection), so a task and a closure are affordable here.
-        task = self._loop.create_task(
-            self._loop.create_connection(
-                lambda: Conn(self, origin), host, port, ssl=ctx, server_hostname=host if ctx else None
-            )
-        )
+        task = self._loop.create_task(self._open(origin, route))
         expired = False
 
         def on_deadline() -> None:
@@ -197,10 +265,10 @@ class H1Pool:
 
         timer = self._loop.call_at(deadline, on_deadline)
         try:
-            _, conn = await task
+            conn = await task
         except asyncio.CancelledError:
             if task.done() and not task.cancelled() and task.exception() is None:
-                task.result()[1].abort()  # connected just as we were cancelled
+                task.result().abort()  # connected just as we were cancelled
             if expired:
                 raise TimeoutError("no connection before the deadline") from None
             raise
@@ -211,19 +279,78 @@ class H1Pool:
             raise ConnectionError("the connection pool was closed")
         return conn
 
-    def _parse(self, origin: str) -> tuple[str, int, ssl.SSLContext | None]:
+    async def _open(self, origin: str, route: _Route) -> Conn:
+        """A new connection to ``origin``: direct, through a forward proxy, or a CONNECT tunnel."""
+        loop, proxy, ctx = self._loop, route.proxy, route.ctx
+        if proxy is None:
+            _, conn = await loop.create_connection(
+                lambda: Conn(self, origin), route.host, route.port, ssl=ctx,
+                server_hostname=route.host if ctx else None,
+            )  # fmt: skip
+            return conn
+        try:
+            if ctx is None:  # http:// through a forward proxy: absolute-form requests
+                _, conn = await loop.create_connection(lambda: Conn(self, origin), proxy.host, proxy.port)
+                return conn
+            raw, tunnel = await loop.create_connection(_Tunnel, proxy.host, proxy.port)
+        except OSError as exc:
+            raise ProxyError(f"cannot reach the proxy {proxy.display} ({type(exc).__name__})") from exc
+        try:
+            await self._tunnel(raw, tunnel, route, proxy)
+            conn = Conn(self, origin)
+            tls = await loop.start_tls(raw, conn, ctx, server_hostname=route.host)
+        except BaseException:
+            raw.abort()
+            raise
+        assert isinstance(tls, asyncio.Transport)
+        conn.connection_made(tls)
+        return conn
+
+    @staticmethod
+    async def _tunnel(raw: asyncio.BaseTransport, tunnel: _Tunnel, route: _Route, proxy: Proxy) -> None:
+        """Ask ``proxy`` for a tunnel to the route's host and port; raise :class:`ProxyError` if refused."""
+        assert isinstance(raw, asyncio.Transport)
+        authority = f"[{route.host}]:{route.port}" if ":" in route.host else f"{route.host}:{route.port}"
+        auth = f"Proxy-Authorization: {proxy.authorization}\r\n" if proxy.authorization else ""
+        raw.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{auth}\r\n".encode("latin-1"))
+        head = await tunnel.head
+        end = head.find(b"\r\n\r\n")
+        line = head.split(b"\r\n", 1)[0].decode("latin-1")[:80]
+        parts = line.split(" ", 2)
+        if end < 0:
+            raise ProxyError(f"the proxy {proxy.display} closed or garbled its answer to CONNECT {authority}")
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].startswith("2"):
+            status = parts[1] if len(parts) > 1 else "?"
+            raise ProxyError(
+                f"the proxy {proxy.display} refused CONNECT {authority}: {line!r}",
+                final=status in ("403", "407"),
+            )
+        if end + 4 != len(head):
+            raise ProxyError(f"the proxy {proxy.display} sent bytes after its answer to CONNECT {authority}")
+
+    def _parse(self, origin: str) -> _Route:
         scheme, sep, hostport = origin.partition("://")
         if scheme not in ("http", "https") or not sep or not hostport:
-            raise ValueError(f"origin must be http(s)://host[:port], got {origin!r}")
+            raise ValueError(f"origin must be http(s)://host[:port], got {redact_url(origin)!r}")
         host, port = hostport, 443 if scheme == "https" else 80
-        m = re.fullmatch(r"(\[[^\]]+\]|[^:]+)(?::(\d+))?", hostport)
+        m = re.fullmatch(r"(\[[^\]]+\]|[^:@]+)(?::(\d+))?", hostport)
         if m is None:
-            raise ValueError(f"bad host in origin {origin!r}")
+            raise ValueError(f"bad host in origin {redact_url(origin)!r}")
         host = m.group(1).strip("[]")
         port = int(m.group(2)) if m.group(2) else port
         ctx = self._ssl_context() if scheme == "https" else None
-        self._origins[origin] = (host, port, ctx)
-        return host, port, ctx
+        proxy = self._proxies.for_origin(scheme, host, port) if self._proxies is not None else None
+        prefix = extra = ""
+        if proxy is not None and ctx is None:
+            prefix = origin
+            if proxy.authorization:
+                extra = f"Proxy-Authorization: {proxy.authorization}\r\n"
+        route = self._origins[origin] = _Route(host, port, ctx, proxy, prefix, extra)
+        return route
+
+    def proxy_for(self, origin: str) -> Proxy | None:
+        """The proxy requests to ``origin`` go through (None: direct)."""
+        return (self._origins.get(origin) or self._parse(origin)).proxy
 
     def _ssl_context(self) -> ssl.SSLContext:
         if self._ssl is None:

@@ -1,6 +1,14 @@
 """The wire half of :mod:`.h1`: one connection as an :class:`asyncio.BufferedProtocol` that writes a
 GET and parses its response (status line, headers, a body framed by Content-Length, chunked encoding
 or the server closing), plus the response and error types.
+
+Nothing the server says decides how much memory a response takes: each request carries
+``max_body``, the most bytes a 2xx body may have (the range or the listed size asked for), and a
+Content-Length above it is refused before any buffer is made; chunked and close-delimited bodies
+stop at it too. A non-2xx body is cut at :data:`ERROR_BODY_CAP`. The head is refused at once when
+it passes :data:`MAX_HEAD` bytes, ends a line with a bare LF, or holds a bare CR; any transfer
+coding but plain ``chunked`` is refused (the bytes would not be the object's). A ranged request
+answered ``200`` fails at the head with :class:`RangeIgnored`, before the whole object is read.
 """
 
 from __future__ import annotations
@@ -11,30 +19,48 @@ from typing import Any
 
 __all__ = [
     "ERROR_BODY_CAP",
+    "MAX_BODY",
     "MAX_HEAD",
     "TARGET_RE",
     "BadResponse",
+    "BodyTooLarge",
     "Conn",
     "ConnectionLost",
     "Headers",
     "IncompleteBody",
+    "RangeIgnored",
     "Response",
     "expire",
 ]
 
 MAX_HEAD = 64 * 1024  # bytes of status line + headers
 ERROR_BODY_CAP = 64 * 1024  # bytes kept of a non-2xx body; the connection closes when there is more
+MAX_BODY = 1 << 30  # bytes of a 2xx body when the caller gives no bound (it always does on the hot path)
 # Bytes of the per-connection receive buffer for heads, chunked and close-delimited bodies. Small on
 # purpose: a Content-Length body arrives straight in its own buffer after this first read, so only
 # the body bytes that share a read with the head are copied.
 _READ_SIZE = 16 * 1024
 _HEX_RE = re.compile(r"[0-9A-Fa-f]{1,15}")
 TARGET_RE = re.compile(r"/[^\s]*")
+_VERSIONS = ("HTTP/1.1", "HTTP/1.0")
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
 
 
 class BadResponse(Exception):
-    """The server's bytes are not a valid HTTP/1.x response."""
+    """The server's bytes are not a valid HTTP/1.x response, or not an answer to what was asked."""
+
+
+class RangeIgnored(BadResponse):
+    """A ranged GET was answered ``200`` (the whole object): refused at the head, body unread."""
+
+
+class BodyTooLarge(BadResponse):
+    """A 2xx head announced more than ``max_body`` bytes (``length``); ``headers`` are the head's,
+    for the caller to tell a changed object from a lying server. Refused before any buffer."""
+
+    def __init__(self, message: str, length: int, headers: Headers) -> None:
+        super().__init__(message)
+        self.length, self.headers = length, headers
 
 
 class ConnectionLost(ConnectionError):
@@ -83,6 +109,9 @@ class Conn(asyncio.BufferedProtocol):
         self.body = bytearray()
         self.view = memoryview(self.body)
         self.got = self.need = 0  # body bytes received / wanted (Content-Length mode)
+        self.max_body = MAX_BODY  # the most bytes a 2xx body of the current request may have
+        self.ranged = False  # the current request asked for a range: 206 expected, 200 refused
+        self.extra = 0  # informational heads, then trailer bytes, of the current response
         self.length: int | None = None
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -121,8 +150,8 @@ class Conn(asyncio.BufferedProtocol):
             self._feed(memoryview(self.scratch)[:nbytes])
         except BadResponse as exc:
             self._fail(exc)
-        except ValueError as exc:  # an over-long number
-            self._fail(BadResponse(str(exc)))
+        except Exception as exc:  # an over-long number, a MemoryError: never an asyncio "Fatal error"
+            self._fail(BadResponse(f"unreadable response ({type(exc).__name__}: {str(exc)[:80]})"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -141,9 +170,12 @@ class Conn(asyncio.BufferedProtocol):
         self.pool._lost(self)
 
     # -- the request ---------------------------------------------------------------------------
-    def send(self, request: bytes, fut: asyncio.Future[Response]) -> None:
+    def send(self, request: bytes, fut: asyncio.Future[Response], max_body: int, ranged: bool) -> None:
+        """Write ``request``; its response goes to ``fut``. ``max_body``: the most bytes a 2xx body
+        may have; ``ranged``: the request asked for a range (a 200 is refused, a 206 expected)."""
         assert self.transport is not None
-        self.fut, self.state, self.got = fut, _HEAD, 0
+        self.fut, self.state, self.got, self.extra = fut, _HEAD, 0, 0
+        self.max_body, self.ranged = max_body, ranged
         self.transport.write(request)
 
     def expire(self) -> None:
@@ -173,7 +205,11 @@ class Conn(asyncio.BufferedProtocol):
             if end < 0:
                 if len(head) > MAX_HEAD:
                     raise BadResponse(f"response head over {MAX_HEAD} bytes")
+                if head.count(b"\n") != head.count(b"\r\n"):  # would wait for a CRLF CRLF in vain
+                    raise BadResponse("a response head line ends with a bare LF")
                 return
+            if end > MAX_HEAD:
+                raise BadResponse(f"response head over {MAX_HEAD} bytes")
             block, rest = bytes(head[:end]), bytes(head[end + 4 :])
             head.clear()
             self._start(block)
@@ -192,24 +228,32 @@ class Conn(asyncio.BufferedProtocol):
             self._chunks()
         elif state == _UNTIL_CLOSE:
             self.body += data
-            if self.status >= 300 and len(self.body) >= ERROR_BODY_CAP:
-                self._finish()
+            if self.status >= 300:
+                if len(self.body) >= ERROR_BODY_CAP:
+                    self._finish()
+            elif len(self.body) > self.max_body:
+                raise BadResponse(f"the body runs past the {self.max_body} bytes asked for")
         else:  # bytes nobody asked for
             self.keep_alive = False
             if self.transport is not None:
                 self.transport.close()
 
     def _start(self, block: bytes) -> None:
-        """Parse the status line and headers, and choose how the body ends."""
+        """Parse the status line and headers, check them against the request, choose how the body ends."""
         lines = block.decode("latin-1").split("\r\n")
+        if block.count(b"\n") != len(lines) - 1 or block.count(b"\r") != len(lines) - 1:
+            raise BadResponse("a bare CR or LF in the response head")
         parts = lines[0].split(" ", 2)
         code = parts[1] if len(parts) > 1 else ""
-        if parts[0][:7] != "HTTP/1." or len(code) != 3 or not (code.isascii() and code.isdigit()):
+        if parts[0] not in _VERSIONS or len(code) != 3 or not (code.isascii() and code.isdigit()):
             raise BadResponse(f"bad status line {lines[0][:80]!r}")
         status = int(code)
         if 100 <= status < 200:
             if status == 101:
                 raise BadResponse("unexpected protocol switch (101)")
+            self.extra += 1
+            if self.extra > 16:
+                raise BadResponse("more than 16 informational (1xx) heads")
             return  # informational: the real head follows
         headers: dict[str, str] = {}
         for line in lines[1:]:
@@ -219,6 +263,11 @@ class Conn(asyncio.BufferedProtocol):
             name, value = name.lower(), value.strip(" \t")
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
         self.status, self.headers = status, headers
+        ok = status < 300
+        if ok and (status == 206) != self.ranged:
+            if self.ranged and status == 200:
+                raise RangeIgnored("the server answered a ranged GET with the whole object (200)")
+            raise BadResponse(f"HTTP {status} to a GET {'with' if self.ranged else 'without'} a Range")
         tokens = {t.strip() for t in headers.get("connection", "").lower().split(",")}
         self.keep_alive = "close" not in tokens if parts[0] == "HTTP/1.1" else "keep-alive" in tokens
         te, cl = headers.get("transfer-encoding"), headers.get("content-length")
@@ -226,22 +275,29 @@ class Conn(asyncio.BufferedProtocol):
         if status == 204 or status == 304:
             self.length = 0
         elif te is not None:
-            if te.lower().rsplit(",", 1)[-1].strip() != "chunked":
-                self._until_close()
-                return
-            self.state, self.chunk_left, self.body = _CHUNKED, -1, bytearray()
+            if te.strip().lower() != "chunked":  # gzip, identity, ...: not the bytes as stored
+                raise BadResponse(f"unsupported Transfer-Encoding {te[:40]!r} (only chunked is accepted)")
+            if cl is not None:  # both: chunked wins (RFC 9112), and the stream is not trusted after
+                self.keep_alive = False
+            self.state, self.chunk_left, self.body, self.extra = _CHUNKED, -1, bytearray(), 0
             self._chunks()
             return
         elif cl is not None:
-            if not (cl.isascii() and cl.isdigit()):  # also refuses differing repeats ("3, 4")
+            if not (cl.isascii() and cl.isdigit()) or len(cl) > 18:  # also refuses repeats ("3, 4")
                 raise BadResponse(f"bad Content-Length {cl[:40]!r}")
             self.length = int(cl)
         else:
             self._until_close()
             return
         self.need = self.length
-        if status >= 300 and self.need > ERROR_BODY_CAP:
-            self.need, self.keep_alive = ERROR_BODY_CAP, False
+        if not ok:
+            if self.need > ERROR_BODY_CAP:
+                self.need, self.keep_alive = ERROR_BODY_CAP, False
+        elif self.need > self.max_body:  # before any buffer is made
+            raise BodyTooLarge(
+                f"Content-Length {self.need} is more than the {self.max_body} bytes asked for",
+                self.need, Headers(headers),
+            )  # fmt: skip
         self.body = bytearray(self.need)
         self.view = memoryview(self.body)
         self.state = _LENGTH
@@ -253,7 +309,7 @@ class Conn(asyncio.BufferedProtocol):
 
     def _chunks(self) -> None:
         """Consume what ``head`` holds of a chunked body (``head`` is free once the head is parsed)."""
-        buf, body = self.head, self.body
+        buf, body, cap = self.head, self.body, self.max_body
         while buf:
             if self.status >= 300 and len(body) >= ERROR_BODY_CAP:
                 self.keep_alive = False
@@ -283,7 +339,12 @@ class Conn(asyncio.BufferedProtocol):
                 return
             line = buf[:end].decode("latin-1")
             del buf[: end + 2]
+            if "\n" in line or "\r" in line:
+                raise BadResponse("a bare CR or LF in the chunked framing")
             if self.chunk_left == -2:  # trailer lines until an empty one
+                self.extra += end + 2
+                if self.extra > MAX_HEAD:
+                    raise BadResponse(f"chunked trailer over {MAX_HEAD} bytes")
                 if not line:
                     if buf:
                         self.keep_alive = False
@@ -295,6 +356,8 @@ class Conn(asyncio.BufferedProtocol):
             if not _HEX_RE.fullmatch(size):
                 raise BadResponse(f"bad chunk size {line[:40]!r}")
             self.chunk_left = int(size, 16) or -2
+            if self.status < 300 and len(body) + max(self.chunk_left, 0) > cap:
+                raise BadResponse(f"the chunked body runs past the {cap} bytes asked for")
 
     def _finish(self) -> None:
         body = bytes(self.body)

@@ -11,6 +11,7 @@ against the parent's connections.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, TypeVar
@@ -18,8 +19,11 @@ from typing import Any, Generic, TypeVar
 import aiohttp
 
 from .. import _process
+from .._errors import ObjectChanged, TransientError
 
-__all__ = ["ProcessBound", "lean_session"]
+__all__ = ["ProcessBound", "check_content_range", "grown", "lean_session", "read_capped"]
+
+_CONTENT_RANGE_RE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 
 C = TypeVar("C")
 
@@ -90,3 +94,64 @@ def lean_session(
     if hasattr(session, "_retry_connection"):
         session._retry_connection = False
     return session
+
+
+def check_content_range(url: str, header: str | None, first: int, end: int | None, got: int) -> int | None:
+    """The object's total size from a 206's ``Content-Range``, which must be the range asked for:
+    ``first`` to ``end - 1``, or to the object's last byte when it ends sooner (the engine then
+    compares the total with the listing), and as long as the body."""
+    m = _CONTENT_RANGE_RE.fullmatch((header or "").strip())
+    if m is None:
+        raise TransientError("server", f"{url}: bad HTTP response (a 206 with Content-Range {header!r})")
+    a, b = int(m.group(1)), int(m.group(2))
+    total = None if m.group(3) == "*" else int(m.group(3))
+    asked = f"bytes {first}-{end - 1 if end is not None else ''}"
+    short_at_end = total is not None and b == total - 1 and (end is None or b < end - 1)
+    wrong_end = b != end - 1 and not short_at_end if end is not None else total is not None and b != total - 1
+    if a != first or wrong_end or b < a or b - a + 1 != got:
+        raise TransientError(
+            "server",
+            f"{url}: bad HTTP response (Content-Range {header!r} with {got} bytes, but {asked} was "
+            "asked for)",
+        )
+    if total is not None and b >= total:
+        raise TransientError("server", f"{url}: bad HTTP response (Content-Range {header!r})")
+    return total
+
+
+async def read_capped(resp: aiohttp.ClientResponse, cap: int, url: str) -> bytes:
+    """The body of a 2xx ``resp``, refused (a retryable ``server`` error) when its Content-Length or,
+    whatever the framing, the bytes that arrive run past ``cap``; only ``chunked`` transfer coding."""
+    te = resp.headers.get("Transfer-Encoding")
+    if te is not None and te.strip().lower() != "chunked":
+        raise TransientError("server", f"{url}: bad HTTP response (Transfer-Encoding {te[:40]!r})")
+    length = resp.content_length
+    if length is not None and length > cap:
+        raise TransientError(
+            "server", f"{url}: bad HTTP response (Content-Length {length} is more than the {cap} bytes asked)"
+        )
+    chunks: list[bytes] = []
+    got = 0
+    while True:
+        chunk = await resp.content.read(2**18)
+        if not chunk:
+            return b"".join(chunks)
+        got += len(chunk)
+        if got > cap:
+            raise TransientError("server", f"{url}: bad HTTP response (a body over the {cap} bytes asked)")
+        chunks.append(chunk)
+
+
+def grown(url: str, announced: int | None, listed: int, confirmed: bool) -> Exception:
+    """The error for a whole read whose answer is larger than the listed size: ``confirmed`` (the
+    answer carries the listed identity) means the store answers wrongly, a retryable error; else the
+    object changed since it was listed (or nothing shows it did not): ObjectChanged, final."""
+    said = f"Content-Length {announced}" if announced is not None else "a longer body"
+    if confirmed:
+        what = f"{said} for the listed version of {listed} bytes"
+        return TransientError("server", f"{url}: bad HTTP response ({what})")
+    return ObjectChanged(
+        f"{url}: the store answers with {said} but {listed} bytes were listed: the object changed since "
+        "it was listed (rebuild the listing with refresh=True), or the store or a proxy answers wrongly",
+        url,
+    )

@@ -41,6 +41,7 @@ class LocalReader:
         end: int | None,
         expect_identity: str | None,
         timeout: float,
+        size: int | None = None,
     ) -> ReadResult:
         return await asyncio.wait_for(
             asyncio.to_thread(_read_local, key, start, end, expect_identity, f"file://{key}"), timeout

@@ -13,6 +13,7 @@ from typing import Any
 
 from .._config import env
 from .._errors import ConfigError
+from .network import redact_url
 
 __all__ = ["listing_scope", "options_token", "redact", "resolve_storage_options"]
 
@@ -85,13 +86,16 @@ def options_token(protocol: str, storage_options: Mapping[str, Any]) -> str:
 
 
 def redact(storage_options: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``storage_options`` safe to print: values of secret-looking keys are replaced."""
+    """A copy of ``storage_options`` safe to print: values of secret-looking keys are replaced, and
+    the ``user:password@`` of URLs (an endpoint, a proxy) too."""
     out: dict[str, Any] = {}
     for k, v in storage_options.items():
         if isinstance(v, Mapping):
             out[k] = redact(v)
         elif any(word in k.lower() for word in _SECRET_WORDS) and k.lower() not in ("key_prefix",):
             out[k] = "***"
+        elif isinstance(v, str):
+            out[k] = redact_url(v)
         else:
             out[k] = v
     return out

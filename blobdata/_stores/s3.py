@@ -13,6 +13,15 @@ Keys are sent exactly as stored: every byte except the unreserved characters is 
 
 Identity: the ETag with its quotes stripped, ``etag@version-id`` when the store reports a version.
 
+Every response is checked against its request: a read without a range must be a 200, a ranged one a
+206 whose ``Content-Range`` is exactly the range asked (its end may stop short only at the object's
+end; the total is the engine's to compare with the listing); a 200 to a ranged read raises
+:class:`~blobdata._errors.RangeIgnored` at the head, so the engine reads the object once, whole;
+no body may exceed what was asked (the range, the listed size, or :data:`~.h1.MAX_BODY` when
+neither is known), refused from Content-Length before any buffer is made; a pinned read must carry
+the pinned ETag. A TLS handshake that fails is final, its reason in the message. Proxies and the CA
+bundle are read as botocore reads them (:mod:`.network`).
+
 Listing: :meth:`S3Reader.list_page` is one signed ListObjectsV2 request parsed with ``xml.etree``
 (~0.03 s of CPU per 1,000-key page, where botocore's parser spends ~0.14 s). It asks for
 ``encoding-type=url`` so keys with control characters survive XML, and decodes them as botocore
@@ -25,16 +34,19 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import yarl
 
 from .._config import env
-from .._errors import ConfigError, FetchError, ObjectChanged, TransientError, from_status
+from .._errors import ConfigError, FetchError, ObjectChanged, RangeIgnored, TransientError, from_status
 from .base import ReadResult
-from .h1 import BadResponse, H1Pool, IncompleteBody, Response
-from .http import ProcessBound
+from .h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
+from .h1 import RangeIgnored as _H1RangeIgnored
+from .http import ProcessBound, check_content_range, grown
+from .network import ca_bundle, proxy_settings, redact_url
 from .options import resolve_storage_options
 from .s3xml import ListPage, list_query, parse_list_page
 from .sigv4 import Credentials, SigV4Signer, cached_chain, quote_key, resolve_chain
@@ -45,7 +57,10 @@ T = TypeVar("T")
 
 _CODE_RE = re.compile(rb"<Code>([^<]{1,80})</Code>")
 _REGION_RE = re.compile(rb"<Region>([a-z0-9-]{1,40})</Region>")
-_RANGE_TOTAL_RE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+#: The most bytes of one ListObjectsV2 page (1,000 entries of keys up to 1,024 bytes, URL-encoded).
+LIST_BODY_CAP = 16 * 1024 * 1024
+# ssl errors of a handshake cut by the network (worth a retry), not refused by either side.
+_SSL_TRANSIENT = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
 
 
 def split_identity(identity: str) -> tuple[str, str | None]:
@@ -72,8 +87,10 @@ class S3Reader:
 
     ``storage_options`` are s3fs's: ``key``/``secret``/``token``, ``anon``, ``profile``,
     ``endpoint_url`` (or ``client_kwargs.endpoint_url``), ``client_kwargs.region_name``,
-    ``client_kwargs.verify``, ``requester_pays``. ``concurrency`` (default 64) sizes the
-    connection pool to match the fetch engine.
+    ``client_kwargs.verify``, ``config_kwargs.proxies``, ``requester_pays``; proxies and the CA
+    bundle otherwise come from the environment and the AWS config as botocore reads them
+    (:mod:`.network`). ``concurrency`` (default 64) sizes the connection pool to match the fetch
+    engine.
     """
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 64) -> None:
@@ -88,7 +105,9 @@ class S3Reader:
             except ValueError:
                 parsed = yarl.URL()
             if parsed.scheme not in ("http", "https") or not parsed.raw_host:
-                raise ConfigError(f"endpoint_url must look like http://host:port, got {self._endpoint!r}")
+                raise ConfigError(
+                    f"endpoint_url must look like http://host:port, got {redact_url(self._endpoint)!r}"
+                )
             host = f"[{parsed.raw_host}]" if ":" in parsed.raw_host else parsed.raw_host
             if parsed.explicit_port is not None and not parsed.is_default_port():
                 host = f"{host}:{parsed.explicit_port}"
@@ -109,18 +128,23 @@ class S3Reader:
         self._profile: str | None = opts.get("profile")
         self._extra_headers = {"x-amz-request-payer": "requester"} if opts.get("requester_pays") else {}
         # botocore's ``verify``: False (no certificate check) or a CA bundle path; default on.
-        self._verify: bool | str = client_kwargs.get("verify", True)
+        self._verify = ca_bundle(opts, self._profile) if self._uses_tls() else True
+        self._proxies = proxy_settings(opts)
         self._concurrency = concurrency
         self._signer = SigV4Signer()
         self._pools = ProcessBound(self._new_pool, H1Pool.aclose)
 
     def __repr__(self) -> str:
-        return f"S3Reader(endpoint={self._endpoint or 'aws'!r}, region={self._region!r}, anon={self._anon})"
+        endpoint = redact_url(self._endpoint) if self._endpoint else "aws"
+        return f"S3Reader(endpoint={endpoint!r}, region={self._region!r}, anon={self._anon})"
+
+    def _uses_tls(self) -> bool:
+        return self._endpoint is None or self._origin.startswith("https://")
 
     # -- per-process state -------------------------------------------------------------------
     def _new_pool(self) -> H1Pool:
         # Sends only the headers it is given: no Accept, Accept-Encoding or User-Agent (S3 needs none).
-        return H1Pool(self._concurrency, verify=self._verify)
+        return H1Pool(self._concurrency, verify=self._verify, proxies=self._proxies)
 
     async def close(self) -> None:
         """Close this process's connections (safe to call more than once)."""
@@ -164,13 +188,20 @@ class S3Reader:
         timeout: float,
         url: str,
         on_success: Callable[[Response], T],
+        *,
+        max_body: int,
+        ranged: bool = False,
+        too_large: Callable[[BodyTooLarge], Exception] | None = None,
     ) -> T:
         """One signed GET of ``key`` (the bucket itself when None) with the canonical ``query``; no retries.
 
         ``on_success`` reads a 200/206 response. Every other status becomes the error of
         :func:`_http_error` (chained to an :class:`S3ErrorResponse`), after at most one retry at the
-        region the store named; transport failures become :class:`~blobdata._errors.TransientError`.
-        ``timeout`` (seconds) bounds the whole request, connect to last byte.
+        region the store named; transport failures become :class:`~blobdata._errors.TransientError`,
+        except a refused TLS handshake or proxy, which are final. ``timeout`` (seconds) bounds the
+        whole request, connect to last byte; ``max_body`` (bytes) bounds a 2xx body; ``ranged``:
+        the headers ask for a range (a 200 raises :class:`~blobdata._errors.RangeIgnored`);
+        ``too_large`` makes the error for a Content-Length over ``max_body`` (default: retryable).
         """
         pool = self._pools.get()
         # Static and anonymous credentials without a coroutine per request; the chain awaits.
@@ -187,17 +218,33 @@ class S3Reader:
             if creds is not None:
                 self._signer.sign("GET", host, path, headers, creds, region, query=query)
             try:
-                resp = await pool.get(origin, f"{path}?{query}" if query else path, headers, timeout)
+                resp = await pool.get(
+                    origin, f"{path}?{query}" if query else path, headers, timeout,
+                    max_body=max_body, ranged=ranged,
+                )  # fmt: skip
             # One boundary for transport failures; first the timeouts (TimeoutError is an OSError).
             except asyncio.TimeoutError as exc:
                 raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
+            except _H1RangeIgnored as exc:
+                raise RangeIgnored(f"{url}: the store answered a ranged GET with the whole object") from exc
+            except BodyTooLarge as exc:
+                raise (too_large(exc) if too_large is not None else _bad(url, exc)) from exc
             except BadResponse as exc:
-                raise TransientError("server", f"{url}: bad HTTP response ({exc})") from exc
+                raise _bad(url, exc) from exc
             except IncompleteBody as exc:
                 raise TransientError("short_read", f"{url}: connection closed mid-body") from exc
-            except OSError as exc:  # ConnectionLost, refused, reset, DNS, TLS
+            except ssl.SSLError as exc:
+                raise _tls_error(url, origin, exc) from exc
+            except ProxyError as exc:
+                if exc.final:
+                    raise FetchError(f"{url}: {exc}; check the proxy settings (HTTPS_PROXY, HTTP_PROXY, "
+                                     "NO_PROXY or config_kwargs['proxies'])", url) from exc  # fmt: skip
+                raise TransientError("connection", f"{url}: connection failed ({exc})") from exc
+            except OSError as exc:  # ConnectionLost, refused, reset, DNS
+                proxy = pool.proxy_for(origin)
+                via = f" through the proxy {proxy.display}" if proxy is not None else ""
                 raise TransientError(
-                    "connection", f"{url}: connection failed ({type(exc).__name__})"
+                    "connection", f"{url}: connection failed ({type(exc).__name__}){via}"
                 ) from exc
             status = resp.status
             if status == 200 or status == 206:
@@ -226,29 +273,42 @@ class S3Reader:
         end: int | None = None,
         expect_identity: str | None = None,
         timeout: float = 30.0,
+        size: int | None = None,
     ) -> ReadResult:
         """One GET of ``s3://bucket/key`` (bytes ``[start, end)`` when given), no retries.
 
         Returns the body, the identity (the expected one when given, else the response's ETag) and
-        the object's total size (from Content-Range or the body). Raises NotFound, AccessDenied,
-        ObjectChanged, FetchError, or :class:`~blobdata._errors.TransientError` for what the caller
+        the object's total size (from Content-Range or the body). ``size`` (bytes, the listed size)
+        bounds a whole read's body; a range bounds its own. Raises NotFound, AccessDenied,
+        ObjectChanged, FetchError, :class:`~blobdata._errors.RangeIgnored` (a ranged GET answered
+        with the whole object), or :class:`~blobdata._errors.TransientError` for what the caller
         may retry. ``timeout`` (seconds) bounds the whole request, connect to last byte.
         """
         url = f"s3://{bucket}/{key}"
         expect_etag, expect_version = split_identity(expect_identity) if expect_identity else (None, None)
         headers: dict[str, str] = {}
-        if start is not None or end is not None:
+        ranged = start is not None or end is not None
+        if ranged:
             first = start or 0
             headers["Range"] = f"bytes={first}-{end - 1}" if end is not None else f"bytes={first}-"
+            bound = end - first if end is not None else (size - first if size is not None else MAX_BODY)
+        else:
+            bound = size if size is not None else MAX_BODY
         if expect_etag:
             headers["If-Match"] = f'"{expect_etag}"'
 
         def on_success(resp: Response) -> ReadResult:
-            return self._check(
-                url, resp, resp.body, resp.status, start, end, expect_etag, expect_version, expect_identity
-            )
+            return self._check(url, resp, start, end, expect_etag, expect_version, expect_identity)
 
-        return await self._send(bucket, key, "", headers, timeout, url, on_success)
+        def too_large(exc: BodyTooLarge) -> Exception:
+            # A whole read larger than listed: a changed object, unless it carries the pinned ETag.
+            etag = (exc.headers.get("ETag") or "").strip('"')
+            return grown(url, exc.length, bound, bool(expect_etag) and etag == expect_etag)
+
+        return await self._send(
+            bucket, key, "", headers, timeout, url, on_success, max_body=max(bound, 0), ranged=ranged,
+            too_large=too_large if size is not None and not ranged else None,
+        )  # fmt: skip
 
     async def list_page(
         self,
@@ -279,20 +339,21 @@ class S3Reader:
                 raise TransientError("short_read", f"{url}: got {len(body)} of {length} bytes of a listing")
             return parse_list_page(body, url)
 
-        return await self._send(bucket, None, query, {}, timeout, url, on_success)
+        return await self._send(bucket, None, query, {}, timeout, url, on_success, max_body=LIST_BODY_CAP)
 
     @staticmethod
     def _check(
         url: str,
         resp: Response,
-        body: bytes,
-        status: int,
         start: int | None,
         end: int | None,
         expect_etag: str | None,
         expect_version: str | None,
         expect_identity: str | None,
     ) -> ReadResult:
+        """A 200 (whole read) or 206 (ranged read; the parser refused the other pairings) checked
+        against what was asked, as the ReadResult."""
+        body = resp.body
         length = resp.content_length
         if length is not None and len(body) != length:
             raise TransientError("short_read", f"{url}: got {len(body)} of {length} bytes")
@@ -301,26 +362,24 @@ class S3Reader:
         version = h.get("x-amz-version-id")
         if version == "null":
             version = None
-        if (
-            expect_etag
-            and etag
-            and (etag != expect_etag or (expect_version and version and version != expect_version))
-        ):
+        other_version = expect_version and version and version != expect_version
+        if expect_etag and (etag != expect_etag or other_version):
+            if not etag:
+                raise ObjectChanged(
+                    f"{url}: the store's answer carries no ETag, so it cannot be shown to be the listed "
+                    f"version ({expect_identity}); a proxy between here and the store may drop ETags and "
+                    "ignore If-Match. Nothing was returned, to never mix two versions",
+                    url,
+                )
             raise ObjectChanged(
                 f"{url} changed since it was listed (expected identity {expect_identity}, the store has "
                 f"{etag}{'@' + version if version else ''}): rebuild the listing with refresh=True",
                 url,
             )
         total: int | None = len(body)
-        if status == 206:
-            m = _RANGE_TOTAL_RE.match(h.get("Content-Range") or "")
-            total = int(m.group(3)) if m and m.group(3) != "*" else None
-        elif start is not None or end is not None:
-            body = body[start or 0 : end]  # the store ignored Range and sent everything
-        if expect_identity and (etag == expect_etag or not etag):
-            identity = expect_identity
-        else:
-            identity = f"{etag}@{version}" if etag and version else etag
+        if resp.status == 206:
+            total = check_content_range(url, h.get("Content-Range"), start or 0, end, len(body))
+        identity = expect_identity or (f"{etag}@{version}" if etag and version else etag)
         return ReadResult(body, identity, total)
 
 
@@ -329,6 +388,23 @@ def _error_code(body: bytes) -> str:
     m = _CODE_RE.search(body)
     return m.group(1).decode(errors="replace") if m else ""
 
+
+def _bad(url: str, exc: BadResponse) -> TransientError:
+    return TransientError("server", f"{url}: bad HTTP response ({exc})")
+
+
+def _tls_error(url: str, origin: str, exc: ssl.SSLError) -> Exception:
+    """A failed TLS handshake: final (with its reason) when a side refused it, else retried."""
+    if isinstance(exc, _SSL_TRANSIENT):
+        return TransientError("connection", f"{url}: the TLS handshake was cut ({type(exc).__name__})")
+    reason = getattr(exc, "verify_message", None) or exc.reason or str(exc)
+    hint = (
+        "; if the server's certificate is signed by your own CA, name its bundle in AWS_CA_BUNDLE, "
+        "ca_bundle in the AWS config or client_kwargs={'verify': '/path/ca.pem'}"
+        if isinstance(exc, ssl.SSLCertVerificationError)
+        else ""
+    )
+    return FetchError(f"{url}: TLS with {redact_url(origin)} failed: {reason}{hint}", url)
 
 
 def _http_error(url: str, status: int, body: bytes, retry_after: str | None) -> Exception:

@@ -4,16 +4,24 @@ for the options only s3fs understands. Also S3's identity rule for an fsspec inf
 The lean path costs ~0.03 s of client CPU per 1,000-key page where botocore spends ~0.14 s. Each
 page is retried under the one budget (:func:`blobdata._retry.with_retries`) and a final failure is
 stated by the one error map, as s3fs's errors are.
+
+A listing the store drives must end: every continuation token of a listing is remembered (one sent
+again is an error), keys and common prefixes must increase from entry to entry and page to page, a
+page may hold no more entries than asked for, 1,000 pages in a row without an entry is an error,
+and the whole listing has a deadline (``FetchOptions.listing_timeout``). Keys and prefixes outside
+the requested prefix are dropped, and named in one warning when the listing ends.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from .._config import FetchOptions
-from .._errors import BlobdataError, FetchError, TransientError
+from .._errors import BlobdataError, FetchError, FetchTimeout, TransientError
 from .._retry import final_error, with_retries
 from .._url import BlobURL
 from .base import Entry
@@ -22,6 +30,13 @@ from .s3 import S3Reader
 from .s3xml import ListPage
 
 __all__ = ["S3LeanLister", "S3fsLister", "identity", "lean_s3"]
+
+logger = logging.getLogger(__name__)
+
+_PAGE_KEYS = 1000  # entries asked per page (the store's maximum)
+_MAX_EMPTY_PAGES = 1000  # truncated pages in a row without an entry (S3 may skip deleted entries)
+_MAX_TOKEN = 8192  # characters of one continuation token
+_NAMED = 5  # keys named in the warning about keys outside the prefix
 
 
 def identity(info: Mapping[str, Any]) -> str:
@@ -76,49 +91,143 @@ class S3fsLister:
         """Nothing to do: the s3fs client is shared through :func:`blobdata._stores.fsspec.get_fs`."""
 
 
+class _Order:
+    """Checks that names come in a strictly increasing order: S3's (by UTF-8 bytes, which is by
+    code point) or the one some S3-compatible stores list in (by path segment, SeaweedFS's: "x/y"
+    before "x y"), whichever the listing keeps to. Either way no name comes twice, so it moves on."""
+
+    __slots__ = ("by_path", "by_text", "last", "last_parts")
+
+    def __init__(self) -> None:
+        self.by_text = self.by_path = True
+        self.last: str | None = None
+        self.last_parts: list[str] = []
+
+    def follow(self, names: list[str]) -> tuple[str, str] | None:
+        """Take the next ``names``; (name, the one before it) at the first that breaks both orders."""
+        last, last_parts = self.last, self.last_parts
+        for name in names:
+            parts = name.split("/") if self.by_path else last_parts
+            if last is not None:
+                if self.by_text and name <= last:
+                    self.by_text = False
+                if self.by_path and parts <= last_parts:
+                    self.by_path = False
+                if not (self.by_text or self.by_path):
+                    return name, last
+            last, last_parts = name, parts
+        self.last, self.last_parts = last, last_parts
+        return None
+
+
 class S3LeanLister:
-    """ListObjectsV2 pages through blobdata's own signed requests, parsed with ``xml.etree``."""
+    """ListObjectsV2 pages through blobdata's own signed requests, parsed with ``xml.etree``.
+
+    One lister is one listing: its deadline (``options.listing_timeout``) starts at its first
+    request and covers every page of every prefix it lists.
+    """
 
     def __init__(self, url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions) -> None:
         self.url = url
         self.reader = S3Reader(storage_options, concurrency=options.concurrency)
         self.options = options
         self.base = url.prefix + "/" if url.prefix else ""
+        self._deadline: float | None = None
+        self._outside: list[str] = []  # the first keys outside the requested prefix
+        self._outside_count = 0
+
+    def _fail(self, what: str) -> FetchError:
+        root = str(self.url)
+        return FetchError(f"listing of {root} failed: {what}; retry later, or check what answers for "
+                          "the endpoint (a proxy or gateway)", url=root)  # fmt: skip
+
+    async def _page(self, prefix: str, delimiter: str | None, token: str | None, pages: int) -> ListPage:
+        """One page under the retry budget and the listing's deadline."""
+        bucket, opts, root = self.url.bucket, self.options, str(self.url)
+        loop = asyncio.get_running_loop()
+        if self._deadline is None:
+            self._deadline = loop.time() + opts.listing_timeout
+        left = self._deadline - loop.time()
+        call = functools.partial(
+            self.reader.list_page, bucket, prefix, delimiter=delimiter, continuation=token,
+            timeout=min(opts.timeout, max(left, 0.001)), max_keys=_PAGE_KEYS,
+        )  # fmt: skip
+        try:
+            if left <= 0:
+                raise TimeoutError
+            pages_call = with_retries(call, url=f"s3://{bucket}/{prefix}", options=opts)
+            return await asyncio.wait_for(pages_call, left)
+        except BlobdataError as exc:
+            # Restated for the dataset's root, as a listing error, from the store's status and code
+            # (or the transport error) chained behind the last TransientError.
+            origin = exc.__cause__
+            if isinstance(origin, TransientError) and origin.__cause__ is not None:
+                origin = origin.__cause__
+            err = final_error(
+                origin or exc, root, store="s3", what="listing", timeout=opts.timeout,
+                attempts=opts.attempts,
+            )  # fmt: skip
+            if err is exc:
+                raise
+            raise err from exc
+        except TimeoutError:  # the listing's deadline (a page's own is with_retries' FetchTimeout)
+            raise FetchTimeout(
+                f"listing of {root} did not end within listing_timeout={opts.listing_timeout:g}s "
+                f"({pages} pages of s3://{bucket}/{prefix} so far); raise FetchOptions(listing_timeout=) "
+                "for a folder that large, or check the store: a listing that never ends is its fault",
+                url=root,
+            ) from None
 
     async def _pages(self, prefix: str, delimiter: str | None) -> AsyncIterator[ListPage]:
-        bucket, opts, root = self.url.bucket, self.options, str(self.url)
+        """The pages of one listing of ``prefix``, each checked; entries outside it dropped."""
         token: str | None = None
+        tokens: set[str] = set()
+        orders = [_Order(), _Order()]  # of the keys, of the common prefixes
+        pages = empty = 0
         while True:
-            call = functools.partial(
-                self.reader.list_page,
-                bucket,
-                prefix,
-                delimiter=delimiter,
-                continuation=token,
-                timeout=opts.timeout,
-            )
-            try:
-                page = await with_retries(call, url=f"s3://{bucket}/{prefix}", options=opts)
-            except BlobdataError as exc:
-                # Restated for the dataset's root, as a listing error, from the store's status and code
-                # (or the transport error) chained behind the last TransientError.
-                origin = exc.__cause__
-                if isinstance(origin, TransientError) and origin.__cause__ is not None:
-                    origin = origin.__cause__
-                err = final_error(
-                    origin or exc, root, store="s3", what="listing", timeout=opts.timeout,
-                    attempts=opts.attempts,
-                )  # fmt: skip
-                if err is exc:
-                    raise
-                raise err from exc
+            page = await self._page(prefix, delimiter, token, pages)
+            pages += 1
+            keys, prefixes = page.keys, page.common_prefixes
+            if len(keys) + len(prefixes) > _PAGE_KEYS:
+                raise self._fail(f"the store sent {len(keys) + len(prefixes)} entries in a page of at most "
+                                 f"{_PAGE_KEYS}")  # fmt: skip
+            for order, names in zip(orders, (keys, prefixes), strict=True):
+                bad = order.follow(names)
+                if bad is not None:
+                    raise self._fail(f"the store sent {bad[0]!r} after {bad[1]!r}: a listing that moves "
+                                     "forward never sends a name twice or goes back")  # fmt: skip
+            empty = 0 if keys or prefixes else empty + 1
+            if empty > _MAX_EMPTY_PAGES:
+                raise self._fail(f"the store sent {empty} pages in a row with no key")
+            if any(not k.startswith(prefix) for k in keys) or any(not p.startswith(prefix) for p in prefixes):
+                page = self._inside(page, prefix)
             yield page
             if page.next_token is None:
                 return
-            if page.next_token == token:
-                raise FetchError(f"listing of {root} failed: the store sent the same continuation token "
-                                 "twice; retry later", url=root)  # fmt: skip
+            if page.next_token in tokens or page.next_token == token or len(page.next_token) > _MAX_TOKEN:
+                raise self._fail("the store sent a continuation token it had sent before (a listing that "
+                                 "would go round in circles)")  # fmt: skip
+            if token is not None:
+                tokens.add(token)
             token = page.next_token
+
+    def _inside(self, page: ListPage, prefix: str) -> ListPage:
+        """``page`` without the keys and prefixes outside ``prefix`` (remembered for the warning)."""
+        bucket_url = f"s3://{self.url.bucket}/"
+        keep = [i for i, k in enumerate(page.keys) if k.startswith(prefix)]
+        outside = [k for k in page.keys if not k.startswith(prefix)]
+        outside += [p for p in page.common_prefixes if not p.startswith(prefix)]
+        self._outside_count += len(outside)
+        for name in outside:
+            if len(self._outside) < _NAMED and bucket_url + name not in self._outside:
+                self._outside.append(bucket_url + name)
+        return ListPage(
+            [page.keys[i] for i in keep],
+            [page.sizes[i] for i in keep],
+            [page.etags[i] for i in keep],
+            [p for p in page.common_prefixes if p.startswith(prefix)],
+            page.next_token,
+        )
 
     async def folders(self) -> tuple[list[str], bool]:
         cut = len(self.base)
@@ -137,6 +246,13 @@ class S3LeanLister:
         return out
 
     async def aclose(self) -> None:
+        if self._outside_count:
+            logger.warning(
+                "listing of %s: dropped %d key(s) outside the requested prefix (%s%s); the store or a proxy "
+                "answered for another prefix", self.url, self._outside_count, ", ".join(self._outside),
+                ", ..." if self._outside_count > len(self._outside) else "",
+            )  # fmt: skip
+            self._outside, self._outside_count = [], 0
         await self.reader.close()
 
 
@@ -153,7 +269,9 @@ _LEAN_CLIENT_KWARGS = frozenset({
     "endpoint_url", "region_name", "verify", "aws_access_key_id", "aws_secret_access_key",
     "aws_session_token",
 })  # fmt: skip
-_LEAN_CONFIG_KWARGS = frozenset({"max_pool_connections", "connect_timeout", "read_timeout", "retries"})
+_LEAN_CONFIG_KWARGS = frozenset(
+    {"max_pool_connections", "connect_timeout", "read_timeout", "retries", "proxies"}
+)
 
 
 def lean_s3(storage_options: Mapping[str, Any]) -> bool:

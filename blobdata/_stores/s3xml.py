@@ -12,6 +12,7 @@ from typing import NamedTuple
 from urllib.parse import quote, unquote_plus
 
 from .._errors import FetchError
+from .base import listed_size
 
 __all__ = ["ListPage", "list_query", "parse_list_page"]
 
@@ -63,7 +64,9 @@ def parse_list_page(body: bytes, url: str) -> ListPage:
 
     Keys and prefixes are URL-decoded as botocore decodes them (``unquote_plus``) when the response
     says ``<EncodingType>url</EncodingType>``, and taken verbatim when the server ignored the
-    request for it. Raises :class:`FetchError` naming ``url`` for anything that is not a listing.
+    request for it. Raises :class:`FetchError` naming ``url`` for anything that is not a listing,
+    and :class:`~blobdata._errors.ManifestError` naming the object for a size that is not a whole
+    number of bytes from 0 to :data:`~.base.MAX_LISTED_SIZE`.
     """
     # ElementTree never fetches external entities, and expat >= 2.4 caps entity expansion.
     try:
@@ -81,7 +84,7 @@ def parse_list_page(body: bytes, url: str) -> ListPage:
         ns + n for n in ("EncodingType", "IsTruncated", "NextContinuationToken")
     )
     keys: list[str] = []
-    sizes: list[int] = []
+    raw_sizes: list[str] = []
     etags: list[str] = []
     prefixes: list[str] = []
     encoded = truncated = False
@@ -101,10 +104,7 @@ def parse_list_page(body: bytes, url: str) -> ListPage:
                     etag = (field.text or "").strip('"')
             if key is None or size is None:
                 raise _malformed(url, "an entry without Key or Size")
-            try:
-                sizes.append(int(size))
-            except ValueError:
-                raise _malformed(url, f"size {size!r}") from None
+            raw_sizes.append(size)
             keys.append(key)
             etags.append(etag)
         elif t == t_common:
@@ -118,6 +118,8 @@ def parse_list_page(body: bytes, url: str) -> ListPage:
     if encoded:
         keys = [unquote_plus(k) if "%" in k or "+" in k else k for k in keys]
         prefixes = [unquote_plus(p) if "%" in p or "+" in p else p for p in prefixes]
+    bucket_url = "/".join(url.split("/", 3)[:3])  # s3://bucket
+    sizes = [listed_size(size, f"{bucket_url}/{key}") for key, size in zip(keys, raw_sizes, strict=True)]
     if not truncated:
         token = None
     elif token is None:

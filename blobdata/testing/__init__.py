@@ -6,6 +6,9 @@
 ...     upload(s3_client(s3), "data", synthetic_dataset(100, 4))
 ...     proxy.fail_next(2, "status503")    # then read s3://data/train through proxy.endpoint_url
 
+``HostileServer`` is a store that misbehaves on request (wrong ranges, no ETag, a huge
+Content-Length, endless bodies and listings, ...); ``HttpProxy`` a CONNECT and forward proxy.
+
 Importing this package starts nothing and does not import torch (``TrainTransform`` does, when it
 first runs). Azurite and the GCS emulator need their own installs (``npm install -g azurite``,
 ``pip install gcp-storage-emulator``).
@@ -13,11 +16,17 @@ first runs). Azurite and the GCS emulator need their own installs (``npm install
 
 from .data import TrainTransform, synthetic_dataset, synthetic_jpeg, upload
 from .emulators import LocalAzurite, LocalGCSEmulator
+from .hostile import HOSTILE_MODES, HostileMode, HostileServer
+from .http_proxy import HttpProxy
 from .proxy import FaultMode, LatencyProxy
 from .servers import LocalS3Server, S3Endpoint, create_bucket, find_free_port, s3_client
 
 __all__ = [
     "FaultMode",
+    "HOSTILE_MODES",
+    "HostileMode",
+    "HostileServer",
+    "HttpProxy",
     "LatencyProxy",
     "LocalAzurite",
     "LocalGCSEmulator",

@@ -96,6 +96,7 @@ class FakeReader:
         end: int | None,
         expect_identity: str | None,
         timeout: float,
+        size: int | None = None,
     ) -> ReadResult:
         loop = asyncio.get_running_loop()
         self.calls.append(Call(bucket, key, start, end, expect_identity, timeout, loop.time()))
