@@ -11,7 +11,14 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from blobdata import BlobdataError, ConfigError, ElasticDistributedSampler, FolderDataset, ManifestError
+from blobdata import (
+    BlobdataError,
+    ConfigError,
+    ElasticDistributedSampler,
+    FolderDataset,
+    ManifestError,
+    PartitionedSampler,
+)
 
 
 def _ids(f: Any) -> int:
@@ -37,6 +44,9 @@ def _make(ds: FolderDataset, how: str, workers: int, world: int = 1, rank: int =
         return ds.dataloader(shuffle=True, **kw)
     if how == "generator":
         return ds.dataloader(shuffle=True, generator=torch.Generator().manual_seed(3), **kw)
+    if how == "partitioned":  # one rank per node
+        sampler = PartitionedSampler(ds, num_replicas=world, rank=rank, seed=5, nproc_per_node=1)
+        return ds.dataloader(sampler=sampler, **kw)
     cls = DistributedSampler if how == "distributed" else ElasticDistributedSampler
     return ds.dataloader(sampler=cls(ds, num_replicas=world, rank=rank, seed=5), **kw)
 
@@ -54,7 +64,7 @@ def _epochs(loader: Any, epochs: range, stop_after: int | None = None) -> tuple[
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("how", ["shuffle", "generator", "distributed", "elastic"])
+@pytest.mark.parametrize("how", ["shuffle", "generator", "distributed", "elastic", "partitioned"])
 def test_resume_mid_epoch_gives_the_uninterrupted_batches(ds: FolderDataset, how: str, workers: int) -> None:
     torch.manual_seed(11)
     full, _ = _epochs(_make(ds, how, workers, world=2), range(3))
@@ -165,7 +175,7 @@ def test_out_of_order_loaders_have_no_resumable_state(ds: FolderDataset) -> None
 # -- issue 22: what torchdata's StatefulDataLoader protocol promises, and Lightning relies on ----------
 
 
-@pytest.mark.parametrize("how", ["shuffle", "generator", "distributed", "elastic"])
+@pytest.mark.parametrize("how", ["shuffle", "generator", "distributed", "elastic", "partitioned"])
 def test_len_stays_the_whole_epoch_after_a_resume(ds: FolderDataset, how: str) -> None:
     """Lightning takes the epoch's length from len(loader) and subtracts the batches it counted: a
     resumed loader must keep the whole epoch's length (StatefulDataLoader does) and yield the rest."""
