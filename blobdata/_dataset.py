@@ -437,7 +437,8 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
             raise ConfigError(
                 "with device=, images are decoded by blobdata.gpu: build the dataset without loader="
             )
-        view = copy.copy(self)  # shares the listing, the cache and the skip list
+        view = copy.copy(self)  # shares the listing and the cache
+        view.errors = self.errors  # and the skip list (copying goes through __getstate__, which empties it)
         view._raw = True
         return view
 
