@@ -12,6 +12,7 @@ progressive JPEGs. ``STATE`` records what blobdata asked for and injects failure
 from __future__ import annotations
 
 import enum
+import importlib
 import io
 import sys
 import threading
@@ -139,6 +140,17 @@ def _plain_upsampling(rgb: Image.Image) -> Image.Image:
     return out.convert("RGB")
 
 
+def swap(monkeypatch: pytest.MonkeyPatch, package: str, module: str) -> None:
+    """Import ``module`` (of ``package``) afresh from the front of ``sys.path`` for this test only: the
+    entries of ``sys.modules`` it replaces come back after the test, and those it adds leave."""
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    importlib.import_module(module)
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        value = sys.modules.pop(name)
+        monkeypatch.setitem(sys.modules, name, value)
+
+
 def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, version: str = "0.8.0") -> _State:
     """Make ``from nvidia import nvimgcodec`` import this stand-in for the test; returns its state."""
     pkg = tmp_path / "standin" / "nvidia" / "nvimgcodec"
@@ -151,8 +163,7 @@ def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, version: str = "
         "__version__ = STATE.version\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path / "standin"))
-    for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
-        monkeypatch.delitem(sys.modules, name)
     STATE.reset()
     STATE.version = version
+    swap(monkeypatch, "nvidia", "nvidia.nvimgcodec")
     return STATE
