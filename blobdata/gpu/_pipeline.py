@@ -274,6 +274,7 @@ class DevicePipeline:
             it, feed.it = feed.it, None
             if failed and not any(t.is_alive() for t in threads):
                 _shut_down(it)
+            del it  # this frame may outlive the epoch in a traceback: it must not hold the workers
 
     # -- stage 1 ---------------------------------------------------------------------------------------
     def _decode_stage(
