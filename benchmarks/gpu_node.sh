@@ -5,20 +5,24 @@
 #   here, with internet:   bash benchmarks/gpu_node.sh prepare     # -> .carry/ (about 60 MiB, git-ignored)
 #   on the GPU machine:    bash benchmarks/gpu_node.sh PART        # carry .carry; output under $OUT
 #
-# PART (one device call each; about 5-9 minutes):
-#   gpu      CUDA tests, bench_gpu_decode.py (decode and TrainTransform alone), then bench_gpu.py:
-#            ResNet-50 on one H100, trainer on CPUs 0-11, SeaweedFS and the 50 ms proxy on 12-15 (#15)
+# PART (one device call each; about 5-9 minutes; default gpu):
+#   gpu      the GPU path (#25) in one run of at most 10 minutes: the CUDA tests, then bench_gpu.py,
+#            which writes $OUT/gpu_node.json after every stage (versions and the hardware-decoder check,
+#            decode-only with the GPU idle and beside ResNet-50, the synthetic ceiling, in-memory, local
+#            CPU decode, bucket cold and warm): trainer on CPUs 0-11, SeaweedFS and the proxy on 12-15
 #   latency  bench_latency.py at 8 and 16 workers on CPUs 0-7, server on 8-15, 12,000 images (#12)
 #   cache    bench_cached_path.py at 1-16 workers and bench_cache_procs.py at P = 1..32 (#12)
 #   check    only the set-up and the imports (seconds): run it first if the machine's image changed
 #
 # .carry holds what the machine lacks: SeaweedFS's `weed` (xz), botocore pruned to the services blobdata
 # uses (the wheel is 17 MB, mostly other services' JSON), and wheels for nvImageCodec, nvJPEG,
-# google-crc32c, webdataset and braceexpand. Everything else (torch, torchvision, numpy, Pillow,
-# aiohttp, fsspec, pytest) is on the machine's image.
+# google-crc32c, webdataset and braceexpand. nvJPEG is pinned to CUDA 13.0, the machine's driver
+# (nvImageCodec loads libnvjpeg.so.13 by name: LD_LIBRARY_PATH points at the carried nvidia/cu13/lib).
+# Everything else (torch, torchvision, numpy, Pillow, aiohttp, fsspec, pytest) is on the machine's image.
+# GPU_NODE_SMOKE=1 bash benchmarks/gpu_node.sh: every stage, tiny, on this (CPU) machine, JSON included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part="${1:-}"
+part="${1:-gpu}"
 CARRY=.carry
 
 prepare() {
@@ -30,7 +34,7 @@ prepare() {
     for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 any; do
         plat+=(--platform "$p")
     done
-    for pkg in nvidia-nvimgcodec-cu13 nvidia-nvjpeg google-crc32c webdataset braceexpand; do
+    for pkg in nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.0.4.44 google-crc32c webdataset braceexpand; do
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
             "${plat[@]}" -d "$CARRY/wheels" "$pkg"
     done
@@ -45,6 +49,12 @@ prepare() {
 }
 
 setup_device() {
+    export RESULTS="${OUT:-$PWD/gpu-node-results}" PYTHONUNBUFFERED=1 OPENBLAS_NUM_THREADS=1
+    mkdir -p "$RESULTS"
+    if [[ -n "$smoke" && ! -d "$CARRY" ]]; then  # this machine has what the GPU machine lacks
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+        return
+    fi
     [[ -d "$CARRY" ]] || { echo "no $CARRY: run 'prepare' here and name .carry in the call's carry" >&2; exit 2; }
     rm -rf /tmp/site && mkdir -p /tmp/site /tmp/bin
     # The nvidia-* wheels share the folder nvidia/: one pip call (a second --target install would
@@ -56,9 +66,8 @@ setup_device() {
     done
     tar -xJf "$CARRY/site.tar.xz" -C /tmp/site
     xz -dc "$CARRY/weed.xz" >/tmp/bin/weed && chmod +x /tmp/bin/weed
-    export PYTHONPATH="$PWD:/tmp/site" PATH="/tmp/bin:$PATH" PYTHONUNBUFFERED=1 OPENBLAS_NUM_THREADS=1
-    export RESULTS="${OUT:-$PWD/gpu-node-results}"
-    mkdir -p "$RESULTS"
+    export PYTHONPATH="$PWD:/tmp/site" PATH="/tmp/bin:$PATH"
+    export LD_LIBRARY_PATH="/tmp/site/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     nproc; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     python3 - <<'EOF'
 import sys, torch, blobdata, botocore
@@ -71,7 +80,7 @@ for name in ("nvidia.nvimgcodec", "torchvision", "webdataset", "google_crc32c"):
         print("  has", name)
     except ImportError as exc:
         print("  lacks", name, exc)
-print("GPU decoder:", gpu._gpu_decoder())
+print("GPU decoder installed:", gpu._decoders.available())
 EOF
 }
 
@@ -90,16 +99,15 @@ prepare) prepare ;;
 check) setup_device ;;
 gpu)
     setup_device
-    run gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_loader.py || true
-    if [[ -n "$smoke" ]]; then
-        run gpu-decode 120 python3 benchmarks/bench_gpu_decode.py --device cpu --images 32 --batch 16 --repeat 1
-        run gpu 300 python3 benchmarks/bench_gpu.py --dry-run --images 96 --rtt 20 --save "$RESULTS/gpu.json"
+    if [[ -n "$smoke" ]]; then  # every stage, tiny, on the CPU: checks this script and bench_gpu.py
+        run bench-gpu 280 python3 benchmarks/bench_gpu.py --smoke --out "$RESULTS" --budget 240 --rtt 20
     else
-        run gpu-decode 45 taskset -c 0-11 python3 benchmarks/bench_gpu_decode.py || true
-        # 60 + 45 + 480 s stay inside one 10-minute call. If the rows need longer, run them in two
-        # calls: bench_gpu.py --rows synthetic,local-cpu,blobdata-gpu, then the other rows.
-        run gpu 480 python3 benchmarks/bench_gpu.py --client-cpus 0-11 --server-cpus 12-15 --workers 10 \
-            --save "$RESULTS/gpu.json"
+        # 60 s of tests, then the benchmark's own budget (470 s): inside one 10-minute call, and each
+        # stage is in $RESULTS/gpu_node.json as soon as it is measured.
+        run gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_loader.py \
+            tests/test_gpu_decoders.py tests/test_gpu_pipeline.py || true
+        run bench-gpu 500 python3 benchmarks/bench_gpu.py --out "$RESULTS" --budget 470 --client-cpus 0-11 \
+            --server-cpus 12-15 --workers 10
     fi
     ;;
 latency)
@@ -124,7 +132,7 @@ cache)
     fi
     ;;
 *)
-    sed -n '2,19p' "$0" >&2
+    sed -n '2,22p' "$0" >&2
     exit 2
     ;;
 esac

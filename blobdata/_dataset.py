@@ -39,6 +39,7 @@ from ._manifest import Manifest
 from ._skips import SkipLog
 from ._stores.options import redact, resolve_storage_options
 from ._url import parse_url
+from .gpu._jpeg import prepare as prepare_raw
 
 __all__ = ["FolderDataset"]
 
@@ -292,8 +293,9 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
                 if isinstance(data, BaseException):
                     raise data
                 t = clock()
-                if raw:  # the device path: the training process decodes whole batches (blobdata.gpu)
-                    sample = data
+                if raw:  # the device path: bytes of JPEGs for the GPU, the rest decoded here (blobdata.gpu)
+                    sample = prepare_raw(data, url)
+                    decoding += clock() - t
                 elif decode_aware:  # the transform decodes only what it needs (blobdata.transforms)
                     sample = decode_with(self.transform, data, url)
                     decoding += clock() - t
@@ -439,7 +441,8 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
             raise ConfigError(
                 "with device=, images are decoded by blobdata.gpu: build the dataset without loader="
             )
-        view = copy.copy(self)  # shares the listing, the cache and the skip list
+        view = copy.copy(self)  # shares the listing and the cache
+        view.errors = self.errors  # and the skip list (copying goes through __getstate__, which empties it)
         view._raw = True
         return view
 

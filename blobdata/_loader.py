@@ -77,7 +77,7 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
             if raw_view is None:
                 raise ConfigError(f"device= needs a blobdata FolderDataset, got {type(dataset).__name__}")
             self.device_pipeline = DevicePipeline(
-                gpu_transform, device, on_error=dataset.on_error, report=dataset._report
+                gpu_transform, device, on_error=dataset.on_error, report=dataset._report, generator=generator
             )
             dataset = raw_view()
             collate_fn = collate_raw
@@ -169,7 +169,8 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
 
         def device_batches() -> Iterator[Any]:
             pipeline.stop_previous()  # before dataloader_iter() resets persistent workers' iterator
-            return _present(self._collect_skips(self.progress.track(pipeline(dataloader_iter()))))
+            batches = pipeline(dataloader_iter(), self.progress)  # the epoch numbers its augmentation
+            return _present(self._collect_skips(self.progress.track(batches)))
 
         return TimedIter(device_batches, self._clock, self._records)
 

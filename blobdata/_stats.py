@@ -45,12 +45,13 @@ _MAGIC = 6.02214e23 + 14.0  # slot 0: marks a blobdata stats record
     SERVED, FROM_CACHE, FROM_BUCKET, STAGED, ERRORS, BATCHES, BYTES_BUCKET, BYTES_CACHE, GETS, GET_S,
     R_THROTTLE, R_SERVER, R_TIMEOUT, R_CONNECTION, R_SHORT_READ, R_OTHER,
     FETCH_WAIT_S, CACHE_S, DECODE_S, TRANSFORM_S, COLLATE_S, CACHE_STORED, CACHE_DROPPED,
-) = range(2, 25)  # fmt: skip
+    DEVICE_DECODED, DEVICE_REFUSED, WORKER_DECODED,
+) = range(2, 28)  # fmt: skip
 _RETRY_SLOT = {
     "throttle": R_THROTTLE, "server": R_SERVER, "timeout": R_TIMEOUT, "connection": R_CONNECTION,
     "short_read": R_SHORT_READ,
 }  # fmt: skip
-_HIST0 = 25
+_HIST0 = 28
 #: GET latency histogram: 4 buckets per octave from 10 us; the last bucket holds everything above ~170 s.
 _BUCKETS = 96
 _BASE_S = 1e-5
@@ -223,7 +224,11 @@ class LoaderStats:
     ``cache_writes_dropped`` those they fetched but did not cache because the cache's background
     writer had ``max_bytes`` queued already (the disk or the index was slower than the fetches; such
     objects are fetched from the bucket again next epoch). GET latencies (seconds) come from a
-    histogram with 19% wide buckets.
+    histogram with 19% wide buckets. On the device path (``device=``), ``device_decoded`` is the
+    samples the device's decoder decoded, ``device_refused`` the JPEGs it was given but returned
+    nothing for (decoded with Pillow in the training process instead: slow; a warning says so past a
+    threshold), and ``worker_decoded`` the samples the workers decoded on the CPU because the GPU
+    decoders do not take them (PNG, CMYK, 12-bit or arithmetic-coded JPEGs).
     :meth:`as_dict` gives the flat ``{name: number}`` that TensorBoard, Lightning or Prometheus take.
     """
 
@@ -248,6 +253,9 @@ class LoaderStats:
     retries_short_read: int = 0
     cache_writes: int = 0
     cache_writes_dropped: int = 0
+    device_decoded: int = 0
+    device_refused: int = 0
+    worker_decoded: int = 0
     fetch_wait_s_per_sample: float = 0.0
     cache_s_per_sample: float = 0.0
     decode_s_per_sample: float = 0.0
@@ -292,6 +300,9 @@ class LoaderStats:
             retries_short_read=retries[4],
             cache_writes=int(t[CACHE_STORED]),
             cache_writes_dropped=int(t[CACHE_DROPPED]),
+            device_decoded=int(t[DEVICE_DECODED]),
+            device_refused=int(t[DEVICE_REFUSED]),
+            worker_decoded=int(t[WORKER_DECODED]),
             fetch_wait_s_per_sample=float(t[FETCH_WAIT_S]) * per,
             cache_s_per_sample=float(t[CACHE_S]) * per,
             decode_s_per_sample=float(t[DECODE_S]) * per,

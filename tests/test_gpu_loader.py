@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from PIL import Image
 
 from blobdata import BlobdataError, ConfigError, DecodeError, FolderDataset, gpu
 from blobdata.gpu._pipeline import DevicePipeline, RawBatch, collate_raw
+from blobdata.gpu._transform import epoch_seed
 
 pytestmark = pytest.mark.timeout(120)
 SIZE = 24
@@ -49,7 +51,7 @@ def _transform(seed: int = 7) -> gpu.TrainTransform:
 
 
 def _decoder_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "blobdata-device-decode"]
+    return [t for t in threading.enumerate() if t.name.startswith("blobdata-device-")]
 
 
 def _no_decoder_thread_left() -> bool:
@@ -67,8 +69,11 @@ def test_batches_equal_decoding_and_transforming_by_hand(
     objects = _objects(11)
     s3_bucket.put_many({f"d/{k}": v for k, v in objects.items()})
     ds = FolderDataset(s3_bucket.url("d"), storage_options=s3_bucket.storage_options, cache=tmp_path / "c")
-    loader = ds.dataloader(batch_size=4, num_workers=workers, device="cpu", gpu_transform=_transform())
-    reference = _transform()  # the same generator: the same boxes and flips, batch after batch
+    gen = torch.Generator().manual_seed(5)
+    loader = ds.dataloader(batch_size=4, num_workers=workers, device="cpu", gpu_transform=_transform(),
+                           generator=gen)  # fmt: skip
+    # The boxes and flips a TrainTransform draws from the loader's seed, the epoch and each URL.
+    reference, seed = _transform(), epoch_seed(5, 0)
     by_url = {s3_bucket.url(f"d/{k}"): v for k, v in objects.items()}
     urls = [url for url, _ in ds.samples]
     got = list(loader)
@@ -76,7 +81,9 @@ def test_batches_equal_decoding_and_transforming_by_hand(
     for k, (images, targets) in enumerate(got):
         chunk = urls[4 * k : 4 * k + 4]
         decoded = gpu.decode_batch([by_url[u] for u in chunk], chunk, device="cpu")
-        want = reference(decoded)
+        sizes = np.array([im.shape[1:] for im in decoded])
+        keys = np.array([zlib.crc32(u.encode()) for u in chunk])
+        want = reference.apply(decoded, *reference.draw_keyed(sizes, keys, seed))
         assert images.shape == (len(chunk), 3, SIZE, SIZE) and images.dtype == torch.float32
         assert torch.equal(images, want)
         assert targets.tolist() == [ds.targets[4 * k + j] for j in range(len(chunk))]
@@ -226,7 +233,8 @@ def test_raw_batches_cross_as_one_tensor() -> None:
     samples = [(b"abc", "u0", 1), (b"", "u1", 0), (b"\x00\xff", "u2", 2)]
     raw = collate_raw(samples)
     assert isinstance(raw, RawBatch) and raw.data.dtype == torch.uint8 and raw.data.numel() == 5
-    assert raw.samples() == [b"abc", b"", b"\x00\xff"] and raw.urls == ["u0", "u1", "u2"]
+    assert [v.tobytes() for v in raw.samples()] == [b"abc", b"", b"\x00\xff"]
+    assert raw.urls == ["u0", "u1", "u2"]
     assert raw.targets == [1, 0, 2]
 
 

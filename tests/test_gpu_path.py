@@ -4,7 +4,6 @@ fallbacks, the clear error without a GPU decoder. GPU-only checks skip where CUD
 from __future__ import annotations
 
 import io
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,9 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from blobdata import ConfigError, DecodeError, gpu
+from blobdata.gpu import _decoders, _transform
+from blobdata.gpu._jpeg import read_header
+from tests.support import gpu_standins
 
 
 def _image(h: int, w: int, seed: int) -> torch.Tensor:
@@ -51,7 +53,7 @@ def test_batched_crops_match_per_sample_references(antialias: bool) -> None:
 
 def test_a_large_image_does_not_make_the_whole_batch_large() -> None:
     boxes = [(0, 0, 3000, 4000)] + [(0, 0, 200 + k, 180) for k in range(63)]
-    groups = gpu._groups(boxes, 16 * 210 * 200)
+    groups = _transform._groups(boxes, 16 * 210 * 200)
     assert sorted(k for g in groups for k in g) == list(range(64))
     assert [0] in groups  # the large crop is padded alone
     for g in groups:
@@ -67,13 +69,13 @@ def test_grouping_and_float16_do_not_change_the_batch(monkeypatch: pytest.Monkey
     one = t.apply(images, boxes, flips)
     t.group_bytes = 3 * 4 * 2 * 90 * 90  # about two crops per group
     grouped: list[list[list[int]]] = []
-    real_groups = gpu._groups
-    monkeypatch.setattr(gpu, "_groups", lambda b, m: grouped.append(real_groups(b, m)) or grouped[-1])
+    real_groups = _transform._groups
+    monkeypatch.setattr(_transform, "_groups", lambda b, m: grouped.append(real_groups(b, m)) or grouped[-1])
     assert torch.allclose(t.apply(images, boxes, flips), one, atol=1e-4)
     assert len(grouped[-1]) >= 2  # apply resized in several groups, as group_bytes asked
     with pytest.raises(ConfigError, match="group_bytes must be positive"):
         gpu.TrainTransform(32, group_bytes=0)
-    monkeypatch.setattr(gpu, "_work_dtype", lambda device: torch.float16)  # what a GPU computes in
+    monkeypatch.setattr(_transform, "_work_dtype", lambda device: torch.float16)  # what a GPU computes in
     err = (t.apply(images, boxes, flips) - one).abs() * 255 * 0.226  # back to pixel values
     assert float(err.mean()) < 0.1 and float(err.max()) < 1.0, (float(err.mean()), float(err.max()))
 
@@ -123,32 +125,26 @@ def test_an_installed_gpu_decoder_that_cannot_start_is_passed_over_with_its_reas
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # nvImageCodec's Decoder() raises RuntimeError("CUDA Runtime failure...") where its CUDA is newer
-    # than the driver's: a stand-in package that fails the same way (the real wheel needs a GPU).
-    pkg = tmp_path / "nvidia" / "nvimgcodec"
-    pkg.mkdir(parents=True)
-    (tmp_path / "nvidia" / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text(
-        "class Decoder:\n"
-        "    def __init__(self):\n"
-        "        raise RuntimeError('CUDA Runtime failure: #35')\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "nvidia" or m.startswith("nvidia.")]:
-        monkeypatch.delitem(sys.modules, name)
-    gpu._gpu_decoder.cache_clear()
+    # than the driver's: the stand-in package fails the same way (the real wheel needs a GPU).
+    gpu_standins.install(tmp_path, monkeypatch)
+
+    def fail(self: Any, **kwargs: Any) -> None:
+        raise RuntimeError("CUDA Runtime failure: #35")
+
+    monkeypatch.setattr(gpu_standins.Decoder, "__init__", fail)
+    _decoders.forget()
+    why = "nvImageCodec is installed but cannot decode here (RuntimeError: CUDA Runtime failure: #35)"
     try:
         with caplog.at_level("WARNING", logger="blobdata"):
-            decoder = gpu._gpu_decoder()
-        assert decoder is None or decoder.__name__ == "torchvision_decode_jpeg"
-        why = "nvImageCodec is installed but cannot decode here (RuntimeError: CUDA Runtime failure: #35)"
+            try:
+                decoder = _decoders._make(torch.device("cuda", 0))
+            except ConfigError as exc:  # nothing else to decode with: the error names why
+                assert "pip install 'blobdata[gpu]'" in str(exc) and why in str(exc)
+            else:
+                assert decoder.name.startswith("torchvision")
         assert why in caplog.text
-        if decoder is None:  # what device="cuda" says on a GPU machine with nothing else to decode with
-            monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-            with pytest.raises(ConfigError, match=r"pip install 'blobdata\[gpu\]'") as info:
-                gpu.check_device("cuda")
-            assert why in str(info.value)
     finally:
-        gpu._gpu_decoder.cache_clear()
+        _decoders.forget()
 
 
 def _encoded(mode: str, **save: Any) -> bytes:
@@ -163,12 +159,12 @@ def test_the_gpu_decoders_get_the_jpegs_they_take_and_nothing_else() -> None:
     exif[0x0112] = 6  # orientation
     takes = {
         "baseline": _encoded("RGB"),
+        "grayscale": _encoded("L"),
         "progressive": _encoded("RGB", progressive=True),
         "optimised, 4:4:4": _encoded("RGB", optimize=True, subsampling=0),
         "EXIF and ICC profile": _encoded("RGB", exif=exif.tobytes(), icc_profile=b"\0" * 3000),
     }
     refuses = {
-        "grayscale": _encoded("L"),
         "CMYK": _encoded("CMYK"),
         "PNG": _encoded("RGBA"),
         "empty": b"",
@@ -178,17 +174,22 @@ def test_the_gpu_decoders_get_the_jpegs_they_take_and_nothing_else() -> None:
         "cut before the frame": (lambda b: b[: b.index(b"\xff\xc0")])(_encoded("RGB")),
     }
     for name, data in {**takes, **refuses}.items():
-        assert gpu._gpu_takes(data) == (name in takes), name
+        assert _gpu_takes(data) == (name in takes), name
         if name in takes or name in ("grayscale", "CMYK"):  # what Pillow reads from the same header
             with Image.open(io.BytesIO(data)) as img:
-                assert (img.mode == "RGB") == gpu._gpu_takes(data), name
+                assert (img.mode in ("RGB", "L")) == _gpu_takes(data), name
     # 12-bit and arithmetic-coded frames go to the CPU decoder: the precision byte and the SOF marker.
     base = takes["baseline"]
     sof = base.index(b"\xff\xc0")
-    assert not gpu._gpu_takes(base[: sof + 4] + b"\x0c" + base[sof + 5 :])
-    assert not gpu._gpu_takes(base[:sof] + b"\xff\xc9" + base[sof + 2 :])
+    assert not _gpu_takes(base[: sof + 4] + b"\x0c" + base[sof + 5 :])
+    assert not _gpu_takes(base[:sof] + b"\xff\xc9" + base[sof + 2 :])
 
 
 @given(st.binary(max_size=300))
 def test_reading_a_header_never_raises(data: bytes) -> None:
-    assert isinstance(gpu._gpu_takes(b"\xff\xd8" + data), bool)
+    assert isinstance(_gpu_takes(b"\xff\xd8" + data), bool)
+
+
+def _gpu_takes(data: bytes) -> bool:
+    header = read_header(data)
+    return header is not None and header.gpu
