@@ -6,8 +6,10 @@ samples each rank trained on); the checks are on exactly which samples, in which
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,9 +46,23 @@ def _run(folder: Path, log: Path, *args: str, expect: int = 0, script: str | Non
     cmd += [str(folder)] if script else [str(folder), "--log", str(log)]
     cwd = log if script else ROOT  # where the example's Trainer writes its logs
     cwd.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=240)
-    assert done.returncode == expect, f"exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    return done.stdout
+    # A session of its own: Lightning starts rank 1 and DataLoader workers as children of rank 0, and
+    # a run that overstays is stopped whole (a plain timeout kills rank 0 only and orphans the rest).
+    proc = subprocess.Popen(
+        [*cmd, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"no end within 240 s: {' '.join(args)}\n{out[-3000:]}\n{err[-6000:]}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the run left behind
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}"
+    return out
 
 
 def _records(log: Path, rank: int) -> list[dict[str, Any]]:
