@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
         "--quiet", "-q", action="store_true", help="no progress bars (shown only on a terminal anyway)"
     )
     listing.add_argument(
-        "--allow-empty", action="store_true",
+        "--allow-empty",
+        action="store_true",
         help="accept class folders without a valid file (as allow_empty=True)",
     )
 
@@ -98,7 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--world-size", type=int, default=1, help="number of nodes sharing the work (default 1)")
     w.add_argument(
-        "--nnodes", type=int, default=None,
+        "--nnodes",
+        type=int,
+        default=None,
         help="warm this node's share of an epoch as training will read it (default: torchrun's variables)",
     )
     w.add_argument("--node-rank", type=int, default=None, help="this node (default: GROUP_RANK)")

@@ -120,7 +120,8 @@ DEFAULT_LISTING_MAX_AGE = "7d"
 class FetchOptions:
     """How objects are fetched. Keyword-only; sizes and durations accept human forms.
 
-    concurrency:     requests in flight per process (default 64; ``BLOBDATA_CONCURRENCY``).
+    concurrency:     requests in flight per process at most (default 64; ``BLOBDATA_CONCURRENCY``);
+                     a store that throttles gets fewer, as its node-wide rate allows.
     timeout:         per-request deadline in seconds, connect to last byte (default 30).
     attempts:        attempts per request in total, the first included (default 6; 1 = no retry);
                      throttling, 5xx, timeouts and connection resets are retried, 403/404 never.
@@ -128,6 +129,11 @@ class FetchOptions:
     backoff:         first backoff in seconds, doubled each retry with full jitter (default 0.1).
     max_backoff:     cap of a single backoff in seconds (default 5).
     part_size:       objects larger than this are fetched as parallel range requests (default 8 MiB).
+    throttle_wait:   how long a read may go on being throttled (429, 503 SlowDown) before it fails
+                     with Throttled, in seconds (default 10). Throttled answers do not count against
+                     ``attempts``: the node's throttle controller slows down to what the store accepts
+                     and the read waits its turn, failing only when the store accepted none of the
+                     node's requests for this long (or throttled this read for this long).
     """
 
     concurrency: int = 64
@@ -136,6 +142,7 @@ class FetchOptions:
     backoff: float = 0.1
     max_backoff: float = 5.0
     part_size: int = 8 * 1024**2
+    throttle_wait: float = 10.0
 
     def __init__(
         self,
@@ -147,6 +154,7 @@ class FetchOptions:
         backoff: float | str = 0.1,
         max_backoff: float | str = 5.0,
         part_size: int | str = 8 * 1024**2,
+        throttle_wait: float | str = 10.0,
     ) -> None:
         if concurrency is None:
             raw = env("BLOBDATA_CONCURRENCY")
@@ -184,6 +192,7 @@ class FetchOptions:
         set_(self, "backoff", parse_duration(backoff, name="backoff"))
         set_(self, "max_backoff", parse_duration(max_backoff, name="max_backoff"))
         set_(self, "part_size", part)
+        set_(self, "throttle_wait", parse_duration(throttle_wait, name="throttle_wait"))
 
     @property
     def retries(self) -> int:

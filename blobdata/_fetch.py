@@ -10,6 +10,10 @@ with a client's own.
 Objects larger than ``part_size`` are read as parallel range requests pinned to one identity
 (ETag): if the object is replaced mid-read the result is :class:`ObjectChanged`, never bytes mixed
 from two versions.
+
+Each request to a store is admitted by the node's throttle controller first (:mod:`blobdata._admission`,
+:mod:`blobdata._throttle`): free while the store has never throttled; once it has, at the rate the
+store accepts, shared by every process of the node. ``concurrency`` stays the ceiling per process.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import _loop, _process, _stats
+from ._admission import Gate, gate_for, private_gate, store_key
 from ._config import FetchOptions
 from ._errors import AccessDenied, BlobdataError, ConfigError, NotFound, ObjectChanged, TransientError
 from ._retry import with_retries
 from ._stores import Reader, ReadResult, reader_for
-from ._stores.options import resolve_storage_options
+from ._stores.options import listing_scope, resolve_storage_options
 from ._url import parse_url
 
 __all__ = ["FetchEngine"]
@@ -37,6 +42,12 @@ class _State(NamedTuple):
     loop: asyncio.AbstractEventLoop
     semaphore: asyncio.Semaphore
     reader: Reader
+    gates: dict[tuple[str, str], Gate]  # (bucket, first key segment) -> this process's gate
+    private: Gate | None  # an injected reader's own controller
+
+
+#: Stores read in this process (no request rate to share with other processes).
+_LOCAL = frozenset({"file", "memory"})
 
 
 _ERROR_KINDS = ((NotFound, "not_found"), (AccessDenied, "access_denied"), (ObjectChanged, "changed"))
@@ -92,7 +103,8 @@ class FetchEngine:
             reader = self._reader
         else:
             reader = reader_for(self.protocol, self._storage_options, concurrency=self.options.concurrency)
-        st = _State(pid, loop, asyncio.Semaphore(self.options.concurrency), reader)
+        private = private_gate() if self._reader is not None else None
+        st = _State(pid, loop, asyncio.Semaphore(self.options.concurrency), reader, {}, private)
         _loop.close_at_exit(self)  # connections are closed on the loop at interpreter exit
         self._state = st
         return st
@@ -122,6 +134,17 @@ class FetchEngine:
             raise ConfigError(f"expected {scheme}://bucket/key, got {url!r}", url=url)
         return bucket, key
 
+    def _gate(self, st: _State, bucket: str, key: str) -> Gate | None:
+        """The throttle gate of ``bucket``/``key``'s store (None for local files and memory)."""
+        if st.private is not None or self.protocol in _LOCAL:
+            return st.private
+        scope = (bucket, key.split("/", 1)[0])
+        gate = st.gates.get(scope)
+        if gate is None:
+            endpoint = listing_scope(self.protocol, self._storage_options)
+            gate = st.gates[scope] = gate_for(store_key(self.protocol, endpoint, bucket, key))
+        return gate
+
     # -- one request with the retry budget ---------------------------------------------------
     async def _request(
         self,
@@ -139,15 +162,54 @@ class FetchEngine:
         a truncated transfer, retried like a reset; a different total size is ObjectChanged."""
         counts = self._counts
         want = None if size is None else (end if end is not None else size) - (start or 0)
+        gate = self._gate(st, bucket, key)
+        options = self.options
+        tries = 0
 
         async def once() -> ReadResult:
-            async with st.semaphore:
-                counts["requests"] += 1
-                t = time.perf_counter()
-                res = await st.reader.read(
-                    bucket, key, start=start, end=end, expect_identity=identity, timeout=self.options.timeout
-                )
-                _stats.note_get(time.perf_counter() - t, len(res.body))
+            nonlocal tries
+            tries += 1
+            if gate is None:
+                async with st.semaphore:
+                    counts["requests"] += 1
+                    t = time.perf_counter()
+                    res = await st.reader.read(
+                        bucket, key, start=start, end=end, expect_identity=identity, timeout=options.timeout
+                    )
+                    _stats.note_get(time.perf_counter() - t, len(res.body))
+            else:
+                await gate.admit(retry=tries > 1, patience=options.throttle_wait)
+                try:
+                    await st.semaphore.acquire()
+                except BaseException:
+                    gate.forgo()
+                    raise
+                try:
+                    counts["requests"] += 1
+                    sent_at, outcome, pause = gate.started(), "none", 0.0
+                    t = time.perf_counter()
+                    try:
+                        res = await st.reader.read(
+                            bucket,
+                            key,
+                            start=start,
+                            end=end,
+                            expect_identity=identity,
+                            timeout=options.timeout,
+                        )
+                        outcome = "ok"
+                    except TransientError as exc:
+                        if exc.kind == "throttle":
+                            outcome, pause = "throttle", min(exc.retry_after or 0.0, options.max_backoff)
+                        raise
+                    except BlobdataError:
+                        outcome = "ok"  # a final answer (404, 403, 412): the store took the request
+                        raise
+                    finally:
+                        gate.finished(sent_at, outcome, pause)
+                    _stats.note_get(time.perf_counter() - t, len(res.body))
+                finally:
+                    st.semaphore.release()
             if want is not None and len(res.body) != want:
                 same = res.total == size or (identity is not None and res.identity == identity)
                 if len(res.body) < want and same:

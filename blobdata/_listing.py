@@ -46,7 +46,6 @@ logger = logging.getLogger(__name__)
 IMG_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-
 # -- ImageFolder semantics ----------------------------------------------------------------------
 
 
@@ -127,8 +126,10 @@ async def list_with(
     root = str(url)
     names, anything = await lister.folders()
     if not anything:
-        where = "the path (no such local folder, or it is empty)" if url.protocol == "file" else (
-            "the bucket and prefix"
+        where = (
+            "the path (no such local folder, or it is empty)"
+            if url.protocol == "file"
+            else ("the bucket and prefix")
         )
         raise NotFound(f"nothing found at {root}: check {where}; a dataset folder holds one sub-folder "
                        "per class", url=root)  # fmt: skip

@@ -433,8 +433,6 @@ def _wait(
             raise
 
 
-
-
 def warm_cache(
     url: str,
     *,

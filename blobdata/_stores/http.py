@@ -24,7 +24,6 @@ __all__ = ["ProcessBound", "lean_session"]
 C = TypeVar("C")
 
 
-
 class ProcessBound(Generic[C]):
     """One client per (process, running loop), made on first use by ``make`` and closed by ``close``."""
 

@@ -54,7 +54,6 @@ def split_identity(identity: str) -> tuple[str, str | None]:
     return etag.strip('"'), (version or None)
 
 
-
 class S3ErrorResponse(Exception):
     """The HTTP status and S3 error code of a refused request, chained as the ``__cause__`` of the
     error raised for it, so a caller can restate it (``error_code``/``status_code`` are the names
@@ -64,7 +63,6 @@ class S3ErrorResponse(Exception):
         super().__init__(f"HTTP {status_code}{' ' + error_code if error_code else ''}")
         self.status_code = status_code
         self.error_code = error_code
-
 
 
 class S3Reader:
@@ -328,7 +326,6 @@ def _error_code(body: bytes) -> str:
     """The S3 error code (``NoSuchBucket``, ``SlowDown``, ...) of an error response body, or ``""``."""
     m = _CODE_RE.search(body)
     return m.group(1).decode(errors="replace") if m else ""
-
 
 
 def _http_error(url: str, status: int, body: bytes, retry_after: str | None) -> Exception:

@@ -28,7 +28,6 @@ class ListPage(NamedTuple):
     next_token: str | None
 
 
-
 def _query_quote(value: str) -> str:
     # SigV4's URI encoding: every byte but A-Za-z0-9-_.~ as %XX (upper case), '/' included.
     return quote(value, safe="")
@@ -123,4 +122,3 @@ def parse_list_page(body: bytes, url: str) -> ListPage:
     elif token is None:
         raise _malformed(url, "IsTruncated without a NextContinuationToken")
     return ListPage(keys, sizes, etags, prefixes, token)
-

@@ -199,9 +199,7 @@ class DevicePipeline:
             for event, _ in held:  # this thread may wait; the training loop does not
                 event.synchronize()
 
-    def _make(
-        self, raw: RawBatch, device: torch.device
-    ) -> tuple[tuple[torch.Tensor, Any] | None, list[Any]]:
+    def _make(self, raw: RawBatch, device: torch.device) -> tuple[tuple[torch.Tensor, Any] | None, list[Any]]:
         """(the batch and its targets, or None if every sample was skipped; the decoded images)."""
         t = time.perf_counter()
         decoded = _decode_checked(raw.samples(), raw.urls, device)  # the device was checked at start
