@@ -90,12 +90,10 @@ class Gate:
         began = now
         try:
             while True:
-                left = max(began, limit.last_ok()) + patience - time.monotonic()
+                left = self.patience_left(began, patience)
                 if left <= 0.0 and not fut.done():
                     fut.cancel()
-                    raise PatienceSpent(
-                        f"throttled: the store accepted no request of this node for {patience:g}s"
-                    )
+                    raise self.spent(patience)
                 await asyncio.wait((fut,), timeout=max(left, 0.0))
                 if fut.done():
                     return
@@ -104,6 +102,15 @@ class Gate:
                 self.forgo()
             fut.cancel()  # a token it was just given is lost: the rate only errs low
             raise
+
+    def patience_left(self, began: float, patience: float) -> float:
+        """Seconds until ``patience`` runs out for a read that began at ``began``: counted from then,
+        or from the last request of this node the store accepted, whichever is later."""
+        return max(began, self.limit.last_ok()) + patience - time.monotonic()
+
+    @staticmethod
+    def spent(patience: float) -> PatienceSpent:
+        return PatienceSpent(f"throttled: the store accepted no request of this node for {patience:g}s")
 
     def forgo(self) -> None:
         """An admitted request will not go after all (cancelled before :meth:`started`)."""

@@ -165,6 +165,7 @@ class FetchEngine:
         gate = self._gate(st, bucket, key)
         options = self.options
         tries = 0
+        began = time.monotonic()
 
         async def once() -> ReadResult:
             nonlocal tries
@@ -199,8 +200,12 @@ class FetchEngine:
                         )
                         outcome = "ok"
                     except TransientError as exc:
-                        if exc.kind == "throttle":
-                            outcome, pause = "throttle", min(exc.retry_after or 0.0, options.max_backoff)
+                        if exc.kind != "throttle":
+                            raise
+                        outcome, pause = "throttle", min(exc.retry_after or 0.0, options.max_backoff)
+                        if gate.patience_left(began, options.throttle_wait) <= 0.0:
+                            # The store accepted nothing of this node's since this read began.
+                            raise gate.spent(options.throttle_wait) from exc
                         raise
                     except BlobdataError:
                         outcome = "ok"  # a final answer (404, 403, 412): the store took the request

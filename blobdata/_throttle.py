@@ -144,14 +144,16 @@ class Table:
     def shared(self) -> bool:
         return self._fd >= 0
 
-    def sweep(self, v: Slots, now: float) -> None:
-        """Clear the owners that are gone and the stores no live owner used for ``IDLE_S`` (locked)."""
+    def sweep(self, v: Slots, now: float, *, thorough: bool = False) -> None:
+        """Clear the owners that are gone and the stores no live owner used for ``IDLE_S`` (locked).
+        Owners that wrote lately are taken to be alive unless ``thorough``."""
         used: set[int] = set()
         for o in range(_OWNERS0, _OWNERS0 + OWNERS * O_FIELDS, O_FIELDS):
             pid = int(v[o + O_PID])
             if not pid:
                 continue
-            if now - v[o + O_BEAT] > BEAT_S and not _owners.alive(pid, v[o + O_START]):
+            stale = thorough or now - v[o + O_BEAT] > BEAT_S
+            if pid != _process.pid() and stale and not _owners.alive(pid, v[o + O_START]):
                 for f in range(O_FIELDS):
                     v[o + f] = 0.0
                 continue
@@ -222,7 +224,9 @@ class Limit:
         self._synced = 0.0
         self._swept = 0.0
         with table.locked() as v:
-            self._join(v, time.monotonic())
+            now = time.monotonic()
+            table.sweep(v, now, thorough=True)  # a process joins once per store: look at every owner
+            self._join(v, now)
 
     def _join(self, v: Slots, now: float) -> None:
         """Find (or claim) this store's slot and an owner entry (locked)."""
