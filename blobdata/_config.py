@@ -134,6 +134,9 @@ class FetchOptions:
                      ``attempts``: the node's throttle controller slows down to what the store accepts
                      and the read waits its turn, failing only when the store accepted none of the
                      node's requests for this long (or throttled this read for this long).
+    adaptive:        share the node's throttle controller (default True). False: requests go at the
+                     fixed ``concurrency`` whatever the store answers, and throttled answers spend
+                     ``attempts`` like failures (blobdata's behaviour before the controller).
     """
 
     concurrency: int = 64
@@ -143,6 +146,7 @@ class FetchOptions:
     max_backoff: float = 5.0
     part_size: int = 8 * 1024**2
     throttle_wait: float = 10.0
+    adaptive: bool = True
 
     def __init__(
         self,
@@ -155,6 +159,7 @@ class FetchOptions:
         max_backoff: float | str = 5.0,
         part_size: int | str = 8 * 1024**2,
         throttle_wait: float | str = 10.0,
+        adaptive: bool = True,
     ) -> None:
         if concurrency is None:
             raw = env("BLOBDATA_CONCURRENCY")
@@ -193,6 +198,9 @@ class FetchOptions:
         set_(self, "max_backoff", parse_duration(max_backoff, name="max_backoff"))
         set_(self, "part_size", part)
         set_(self, "throttle_wait", parse_duration(throttle_wait, name="throttle_wait"))
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"adaptive must be True or False, got {adaptive!r}")
+        set_(self, "adaptive", adaptive)
 
     @property
     def retries(self) -> int:

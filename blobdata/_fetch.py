@@ -42,7 +42,7 @@ class _State(NamedTuple):
     loop: asyncio.AbstractEventLoop
     semaphore: asyncio.Semaphore
     reader: Reader
-    gates: dict[tuple[str, str], Gate]  # (bucket, first key segment) -> this process's gate
+    gates: dict[tuple[str, str], Gate]  # (bucket, prefix) -> the gate to that store
     private: Gate | None  # an injected reader's own controller
 
 
@@ -69,9 +69,13 @@ class FetchEngine:
         storage_options: Mapping[str, Any] | None,
         *,
         reader: Reader | None = None,
+        root: str | None = None,
     ) -> None:
         self.options = options
         self.protocol = protocol
+        # The folder this engine reads: for S3, which limits request rates per prefix, its first
+        # path segment names the node's throttle controller together with the bucket.
+        self._prefix = root.partition("://")[2].partition("/")[2].split("/", 1)[0] if root else ""
         self._storage_options = resolve_storage_options(protocol, storage_options)
         self._reader = reader  # None: the store's own, made in each process on first use
         self._state: _State | None = None
@@ -103,7 +107,7 @@ class FetchEngine:
             reader = self._reader
         else:
             reader = reader_for(self.protocol, self._storage_options, concurrency=self.options.concurrency)
-        private = private_gate() if self._reader is not None else None
+        private = private_gate(self.options.concurrency) if self._reader is not None else None
         st = _State(pid, loop, asyncio.Semaphore(self.options.concurrency), reader, {}, private)
         _loop.close_at_exit(self)  # connections are closed on the loop at interpreter exit
         self._state = st
@@ -136,13 +140,16 @@ class FetchEngine:
 
     def _gate(self, st: _State, bucket: str, key: str) -> Gate | None:
         """The throttle gate of ``bucket``/``key``'s store (None for local files and memory)."""
-        if st.private is not None or self.protocol in _LOCAL:
+        if not self.options.adaptive or self.protocol in _LOCAL:
+            return None
+        if st.private is not None:
             return st.private
-        scope = (bucket, key.split("/", 1)[0])
-        gate = st.gates.get(scope)
+        prefix = self._prefix if key.startswith(self._prefix + "/") else ""
+        gate = st.gates.get((bucket, prefix))
         if gate is None:
             endpoint = listing_scope(self.protocol, self._storage_options)
-            gate = st.gates[scope] = gate_for(store_key(self.protocol, endpoint, bucket, key))
+            store = store_key(self.protocol, endpoint, bucket, prefix)
+            gate = st.gates[(bucket, prefix)] = gate_for(store, self.options.concurrency)
         return gate
 
     # -- one request with the retry budget ---------------------------------------------------
@@ -174,21 +181,7 @@ class FetchEngine:
                 async with st.semaphore:
                     counts["requests"] += 1
                     t = time.perf_counter()
-                    res = await st.reader.read(
-                        bucket, key, start=start, end=end, expect_identity=identity, timeout=options.timeout
-                    )
-                    _stats.note_get(time.perf_counter() - t, len(res.body))
-            else:
-                await gate.admit(retry=tries > 1, patience=options.throttle_wait)
-                try:
-                    await st.semaphore.acquire()
-                except BaseException:
-                    gate.forgo()
-                    raise
-                try:
-                    counts["requests"] += 1
-                    sent_at, outcome, pause = gate.started(), "none", 0.0
-                    t = time.perf_counter()
+                    _stats.note_inflight(1, time.monotonic())
                     try:
                         res = await st.reader.read(
                             bucket,
@@ -198,23 +191,39 @@ class FetchEngine:
                             expect_identity=identity,
                             timeout=options.timeout,
                         )
-                        outcome = "ok"
                     except TransientError as exc:
-                        if exc.kind != "throttle":
-                            raise
-                        outcome, pause = "throttle", min(exc.retry_after or 0.0, options.max_backoff)
-                        if gate.patience_left(began, options.throttle_wait) <= 0.0:
-                            # The store accepted nothing of this node's since this read began.
-                            raise gate.spent(options.throttle_wait) from exc
-                        raise
-                    except BlobdataError:
-                        outcome = "ok"  # a final answer (404, 403, 412): the store took the request
+                        if exc.kind == "throttle":
+                            _stats.note_throttled()
                         raise
                     finally:
-                        gate.finished(sent_at, outcome, pause)
+                        _stats.note_inflight(-1, time.monotonic())
                     _stats.note_get(time.perf_counter() - t, len(res.body))
+            else:
+                # The gate bounds the requests in flight (concurrency) and admits them as the node's
+                # throttle controller allows; what it admits goes at once.
+                sent_at = await gate.admit(retry=tries > 1, patience=options.throttle_wait)
+                counts["requests"] += 1
+                outcome, pause = "none", 0.0
+                t = time.perf_counter()
+                try:
+                    res = await st.reader.read(
+                        bucket, key, start=start, end=end, expect_identity=identity, timeout=options.timeout
+                    )
+                    outcome = "ok"
+                except TransientError as exc:
+                    if exc.kind != "throttle":
+                        raise
+                    outcome, pause = "throttle", min(exc.retry_after or 0.0, options.max_backoff)
+                    if gate.patience_left(began, options.throttle_wait) <= 0.0:
+                        # The store accepted nothing of this node's since this read began.
+                        raise gate.spent(options.throttle_wait) from exc
+                    raise
+                except BlobdataError:
+                    outcome = "ok"  # a final answer (404, 403, 412): the store took the request
+                    raise
                 finally:
-                    st.semaphore.release()
+                    gate.finished(sent_at, outcome, pause)
+                _stats.note_get(time.perf_counter() - t, len(res.body))
             if want is not None and len(res.body) != want:
                 same = res.total == size or (identity is not None and res.identity == identity)
                 if len(res.body) < want and same:

@@ -41,7 +41,8 @@ async def with_retries(
     """Await ``call()`` under the retry budgets of ``options``.
 
     Failures: ``options.attempts`` in total. Throttling: retried for ``options.throttle_wait``
-    seconds from the first throttled answer (with ``attempts=1``, not at all). Backoff: exponential
+    seconds from the first throttled answer (with ``attempts=1``, not at all; with ``adaptive=False``,
+    as a failure). Backoff: exponential
     from ``options.backoff`` seconds with full jitter, capped at ``options.max_backoff`` and raised to
     the store's Retry-After (itself capped at ``max_backoff``). Only :class:`TransientError` is
     retried; the last one becomes Throttled, FetchTimeout or FetchError naming ``url``, chained to
@@ -55,7 +56,7 @@ async def with_retries(
         try:
             return await call()
         except TransientError as exc:
-            if exc.kind == "throttle" and options.attempts > 1:
+            if exc.kind == "throttle" and options.attempts > 1 and options.adaptive:
                 now = time.monotonic()
                 throttles += 1
                 throttled_since = throttled_since or now

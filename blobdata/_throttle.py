@@ -65,6 +65,7 @@ _VERSION = 1.0
 STORES, OWNERS = 64, 256
 _RING, _RING_S = 10, 0.1  # counts per tenth of a second over the last second
 _MIN_SPAN_S = 0.05
+_RECENT_S, _RECENT_N = 0.3, 20.0
 # A store's slots.
 (K_ID, K_LIMIT, K_TDEC, K_EPOCH, K_TOKENS, K_TTOK, K_PAUSE, K_LAST_OK, K_ACTIVE, K_SINCE, K_THROTTLED,
  K_OK, K_OPEN) = range(13)  # fmt: skip
@@ -184,15 +185,29 @@ def node_table() -> Table:
     return _node.get()
 
 
-def _accepted(v: Slots, b: int, now: float, ring: int) -> float:
-    """Requests per second counted in ``ring`` over the last second (at least a tenth of one)."""
+def _accepted(v: Slots, b: int, now: float, ring: int, *, recent: bool = False) -> float:
+    return _counted(v, b, now, ring, recent=recent)[0]
+
+
+def _counted(v: Slots, b: int, now: float, ring: int, *, recent: bool = False) -> tuple[float, float]:
+    """Requests per second counted in ``ring`` over the last second, or since the store's requests
+    began after a pause (at least ``_MIN_SPAN_S``), and how many that was. ``recent``: over the
+    shortest stretch back from now that holds ``_RECENT_N`` of them and spans ``_RECENT_S`` (a rate
+    that is climbing is not averaged with where it was a second ago)."""
     bn = math.floor(now / _RING_S)
-    n = sum(v[b + ring + i] for i in range(_RING) if 0 <= bn - v[b + K_STAMPS + i] < _RING)
-    # Over the last second, or since the store's requests began after a pause: a rate from the first
-    # milliseconds of a burst is an overestimate, which the next decrease corrects, not an
-    # underestimate, which would take seconds to grow out of.
-    span = min(_RING_S * (_RING - 1) + (now - bn * _RING_S), now - v[b + K_SINCE])
-    return n / max(span, _MIN_SPAN_S)
+    begun = now - v[b + K_SINCE]
+    n, span = 0.0, now - bn * _RING_S  # the current tenth, partly gone
+    for age in range(_RING):
+        i = (bn - age) % _RING
+        if v[b + K_STAMPS + i] == bn - age:
+            n += v[b + ring + i]
+        if age:
+            span += _RING_S
+        if recent and span >= _RECENT_S and n >= _RECENT_N:
+            break
+    # A rate from the first milliseconds of a burst is an overestimate, which the next decrease
+    # corrects; an underestimate would take seconds to grow out of.
+    return n / max(min(span, begun), _MIN_SPAN_S), n
 
 
 def allowed(v: Slots, b: int, now: float) -> float:
@@ -366,7 +381,12 @@ class Limit:
             limit = v[b + K_LIMIT]
             if limit > 0.0 and sent_at < v[b + K_TDEC] + max(HOLD_S, HOLD_REQUESTS / allowed(v, b, now)):
                 return False  # sent before the last decrease, or just after: the same congestion
-            base = _accepted(v, b, now, K_OK_RING) or _accepted(v, b, now, K_SENT_RING)
+            base, seen = _counted(v, b, now, K_OK_RING, recent=True)
+            if limit <= 0.0 and seen < _RECENT_N:
+                # The first throttling, too few answers counted yet (the node's first burst, or
+                # processes that have not written theirs): what was sent, an overestimate the next
+                # decrease corrects, rather than an underestimate that takes seconds to grow out of.
+                base = max(base, _accepted(v, b, now, K_SENT_RING, recent=True))
             v[b + K_LIMIT] = max(MIN_RATE, min(allowed(v, b, now), base or MIN_RATE))
             v[b + K_TDEC] = now
             v[b + K_EPOCH] += 1

@@ -369,7 +369,7 @@ def warm(
             mininterval=0.5 if sys.stderr.isatty() else 10.0,
         )
         engine = FetchEngine(
-            FetchOptions(concurrency=concurrency), parse_url(m.root).protocol, storage_options
+            FetchOptions(concurrency=concurrency), parse_url(m.root).protocol, storage_options, root=m.root
         )
         pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(PUT_WRITERS, concurrency), thread_name_prefix="blobdata-put"
