@@ -17,7 +17,9 @@ could name, so their engine keeps a controller of its own (:func:`private_gate`)
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
+import contextlib
 import math
 import time
 
@@ -193,13 +195,21 @@ class Gate:
         if self._retries or self._fresh:
             self._admit_waiting()
 
-    def snapshot(self) -> dict[str, float]:
-        """The store's controller now (:meth:`blobdata._throttle.Limit.snapshot`)."""
-        return self.limit.snapshot(time.monotonic())
-
 
 # Per process: one Limit per store.
 _limits: _process.PerProcess[dict[str, Limit]] = _process.PerProcess(dict)
+
+
+def _leave() -> None:
+    """At a clean exit, give up this process's entries in the node's table (a process that dies
+    without this, a DataLoader worker leaving by ``os._exit`` included, is swept by the others)."""
+    limits = _limits.peek()
+    for limit in (limits or {}).values():
+        with contextlib.suppress(OSError, ValueError):
+            limit.leave()
+
+
+atexit.register(_leave)
 
 
 def gate_for(store: str, ceiling: int) -> Gate:

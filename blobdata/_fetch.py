@@ -46,6 +46,17 @@ class _State(NamedTuple):
     private: Gate | None  # an injected reader's own controller
 
 
+def endpoint_of(protocol: str, storage_options: Mapping[str, Any]) -> str:
+    """Where a store's requests go, without credentials: the listing's scope (endpoint, or Azure
+    account), and for Azure the blob endpoint too (an emulator's accounts share one name)."""
+    scope = listing_scope(protocol, storage_options)
+    if protocol == "az":
+        parts = str(storage_options.get("connection_string") or "").split(";")
+        scope += "|" + "|".join(p.strip() for p in parts if p.strip().startswith("BlobEndpoint="))
+        scope += "|" + str(storage_options.get("account_url") or "")
+    return scope
+
+
 #: Stores read in this process (no request rate to share with other processes).
 _LOCAL = frozenset({"file", "memory"})
 
@@ -147,7 +158,7 @@ class FetchEngine:
         prefix = self._prefix if key.startswith(self._prefix + "/") else ""
         gate = st.gates.get((bucket, prefix))
         if gate is None:
-            endpoint = listing_scope(self.protocol, self._storage_options)
+            endpoint = endpoint_of(self.protocol, self._storage_options)
             store = store_key(self.protocol, endpoint, bucket, prefix)
             gate = st.gates[(bucket, prefix)] = gate_for(store, self.options.concurrency)
         return gate

@@ -26,10 +26,9 @@ import pytest
 
 from blobdata import FetchOptions, FolderDataset, Throttled
 from blobdata._admission import store_key
-from blobdata._fetch import FetchEngine
+from blobdata._fetch import FetchEngine, endpoint_of
 from blobdata._lookahead import PlanChannel
 from blobdata._loop import run
-from blobdata._stores.options import listing_scope
 from blobdata._throttle import (
     _HEAD,
     _OWNERS0,
@@ -238,7 +237,7 @@ def test_two_loaders_on_one_node_share_one_limit(store: buckets.TestBucket) -> N
         FolderDataset(store.url("train"), extensions=(".bin",), storage_options=opts)  # list before
         proxy.set_throttle(rate)
         proxy.reset_counts()
-        key = store_key("s3", listing_scope("s3", opts), store.name, "train/x")
+        key = store_key("s3", endpoint_of("s3", opts), store.name, "train")
         apps = [_app(store.url("train"), opts, "epoch") for _ in range(2)]
         together: set[int] = set()
         while any(a.poll() is None for a in apps):
@@ -335,7 +334,7 @@ def test_a_killed_loaders_shared_state_is_swept(store: buckets.TestBucket) -> No
             line = app.stdout.readline()
             assert line, app.stderr.read() if app.stderr else ""
             held = json.loads(line)
-            key = store_key("s3", listing_scope("s3", opts), store.name, "train/x")
+            key = store_key("s3", endpoint_of("s3", opts), store.name, "train")
             assert os.path.isdir(held["channel"]) and app.pid in _owners_of(key)
         finally:
             os.kill(app.pid, signal.SIGKILL)
