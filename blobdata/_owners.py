@@ -36,28 +36,35 @@ def _boot_time() -> float:
     return _BOOT
 
 
-def started(pid: int) -> float:
-    """When process ``pid`` started (seconds since the epoch, 10 ms resolution); 0.0 where unknown."""
+def _stat(pid: int) -> tuple[str, float] | None:
+    """(state letter, start time in seconds since the epoch) of process ``pid`` from ``/proc``; None
+    where there is no ``/proc`` entry to read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read(4096)
     except OSError:
-        return 0.0
-    # Field 22 (starttime, clock ticks since boot) comes after the command name, which may hold
-    # spaces and parentheses: count from the last ')'.
+        return None
+    # The fields after the command name, which may hold spaces and parentheses: from the last ')'.
     fields = raw[raw.rfind(b")") + 2 :].split()
     boot = _boot_time()
-    if len(fields) < 20 or not boot:
-        return 0.0
+    if len(fields) < 20:
+        return None
     try:
-        return boot + int(fields[19]) / _TICKS
+        return fields[0].decode("ascii", "replace"), (boot + int(fields[19]) / _TICKS) if boot else 0.0
     except ValueError:
-        return 0.0
+        return None
+
+
+def started(pid: int) -> float:
+    """When process ``pid`` started (seconds since the epoch, 10 ms resolution); 0.0 where unknown."""
+    st = _stat(pid)
+    return st[1] if st is not None else 0.0
 
 
 def alive(pid: int, since: float = 0.0) -> bool:
-    """Whether the owner ``pid`` still runs. With ``since`` (its :func:`started`, or a time it is
-    known to have been alive at), a process with that pid that started later is another one."""
+    """Whether the owner ``pid`` still runs (a zombie does not). With ``since`` (its :func:`started`,
+    or a time it is known to have been alive at), a process with that pid that started later is
+    another one."""
     if pid <= 0:
         return False
     try:
@@ -68,11 +75,13 @@ def alive(pid: int, since: float = 0.0) -> bool:
         return False
     except OSError:
         return True
-    if since > 0.0:
-        began = started(pid)
-        if began and began > since + 1.0:  # started after the owner was known alive: reused pid
-            return False
-    return True
+    st = _stat(pid)
+    if st is None:
+        return True
+    state, began = st
+    if state in ("Z", "X"):  # exited, not yet reaped by its parent
+        return False
+    return not (since > 0.0 and began and began > since + 1.0)  # started after: a reused pid
 
 
 def per_user_dir(root: str, name: str) -> str | None:

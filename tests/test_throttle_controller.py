@@ -154,6 +154,12 @@ def test_a_reused_pid_is_not_the_owner() -> None:
     if _owners.started(me):  # /proc: a process that started after the owner was alive is another one
         assert not _owners.alive(me, _owners.started(me) - 3600)
     assert not _owners.alive(2**22 + 12345)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while _owners.alive(child.pid) and time.monotonic() < deadline:  # exited, not reaped: a zombie
+        time.sleep(0.01)
+    assert not _owners.alive(child.pid)
+    child.wait(30)
 
 
 def test_the_node_state_is_its_users_only(tmp_path: Path) -> None:
