@@ -86,11 +86,14 @@ def test_the_rate_grows_back_and_beyond_while_nothing_is_throttled(tmp_path: Pat
     t0 = _feed(a, time.monotonic(), 1.0, 100.0)
     a.throttled(t0, 0.0, t0)
     v, base = a.table.v, a.base
+    limit = v[base + K_LIMIT]
+    assert limit == pytest.approx(100.0, rel=0.1)
     start = allowed(v, base, t0)
     t1 = _feed(a, t0, 0.6, 0.9 * 100.0)
     back = allowed(v, base, t1)
     t2 = _feed(a, t1, 1.0, 1.5 * 100.0)
-    assert start < back <= 100.0 * 1.01 < allowed(v, base, t2)  # additive back to it, then probing above
+    assert start == pytest.approx(BETA * limit)
+    assert start < back <= limit < allowed(v, base, t2)  # additive back to it, then probing above
 
 
 def test_the_rate_never_goes_below_its_floor(tmp_path: Path) -> None:
