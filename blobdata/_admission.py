@@ -84,13 +84,13 @@ class Gate:
         self._flush = None
         self.limit.sync(time.monotonic())
 
-    async def admit(self, *, retry: bool, patience: float) -> float:
+    async def admit(self, *, retry: bool, patience: float, since: float | None = None) -> float:
         """Wait until a request may go; it is in flight from then on (call :meth:`finished` when it
         ends, or :meth:`forgo` if it does not go after all). Returns the time it goes.
 
         ``retry``: a retry goes ahead of new requests. Raises :class:`PatienceSpent` once the node's
-        requests to the store went ``patience`` seconds without one accepted, counted from when this
-        one began to wait.
+        requests to the store went ``patience`` seconds without one accepted, counted from ``since``
+        (when the read began; default: now).
         """
         now = time.monotonic()
         if not self._retries and not self._fresh and self._room() >= 1 and self.limit.open(now):
@@ -98,7 +98,7 @@ class Gate:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         (self._retries if retry else self._fresh).append(fut)
         self._admit_waiting()
-        began = now
+        began = now if since is None else since
         try:
             while not fut.done():
                 left = self.patience_left(began, patience)

@@ -212,7 +212,7 @@ class FetchEngine:
             else:
                 # The gate bounds the requests in flight (concurrency) and admits them as the node's
                 # throttle controller allows; what it admits goes at once.
-                sent_at = await gate.admit(retry=tries > 1, patience=options.throttle_wait)
+                sent_at = await gate.admit(retry=tries > 1, patience=options.throttle_wait, since=began)
                 counts["requests"] += 1
                 outcome, pause = "none", 0.0
                 t = time.perf_counter()

@@ -70,7 +70,8 @@ async def with_retries(
             if on_error is not None:
                 on_error(exc, retry)
             if not retry:
-                waited = time.monotonic() - (throttled_since or began) if exc.kind == "throttle" else 0.0
+                since = began if isinstance(exc, PatienceSpent) else (throttled_since or began)
+                waited = time.monotonic() - since if exc.kind == "throttle" else 0.0
                 raise give_up(url, exc, tries, options.timeout, throttled_s=waited) from exc
             delay = random.uniform(0.0, min(options.max_backoff, options.backoff * 2 ** (step - 1)))
             if exc.retry_after:
@@ -85,10 +86,15 @@ def give_up(
     how long a throttled read was retried."""
     tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
     if exc.kind == "throttle":
-        how_long = f" over {throttled_s:.1f}s" if throttled_s >= 0.05 else ""
+        if isinstance(exc, PatienceSpent):  # it may have waited its turn, not been answered at all
+            head = f"throttled for {throttled_s:.1f}s"
+        else:
+            head = f"still throttled after {tries}" + (
+                f" over {throttled_s:.1f}s" if throttled_s >= 0.05 else ""
+            )
         return Throttled(
-            f"{url}: still throttled after {tries}{how_long} ({exc}); the store limits its request rate: "
-            "retry later, spread the keys over more prefixes, or raise throttle_wait",
+            f"{url}: {head} ({exc}); the store limits its request rate: retry later, spread the keys "
+            "over more prefixes, or raise throttle_wait",
             url,
         )
     if exc.kind == "timeout":

@@ -4,22 +4,25 @@ A store throttles a client as a whole (S3 about 5,500 GET/s per prefix, GCS and 
 account), so what a node may send is decided once for the node: the DataLoader workers, their
 look-ahead, ``blobdata warm`` and other jobs of the same user all draw from one budget per store.
 
-**What the controller does.** Unlimited until the store throttles. A throttled answer to a request
-sent after the last decrease sets the store's *limit* to the rate it accepted over the last second
-(node-wide; the rate sent, if it accepted nothing), never above the rate allowed until then, and
-the allowed rate drops to ``BETA`` (3/4) of that: a multiplicative decrease. Answers to requests
-sent before it are the same congestion seen late and decrease nothing. Then the allowed rate grows
-linearly back to the limit in ``(1 - BETA) / GAIN`` seconds and on beyond it, doubling every
-``DOUBLING_S``, but never above twice what the store accepted in the last second (an idle node keeps
-its limit instead of inflating it); once the store accepted ``RECOVER`` times the limit with no
-throttling, the store is unlimited again. Requests take tokens from the store's bucket (a burst of
-``BURST_S`` seconds of the allowed rate), and a ``Retry-After`` pauses the whole node's requests to
-that store (capped by the caller). Retries are jittered by :func:`blobdata._retry.with_retries`.
+**What the controller does.** A store the node does not know yet starts with a slow start (each
+process's gate, :mod:`blobdata._admission`: ``START_WINDOW`` requests in flight, one more per answer,
+until ``OPEN_WINDOW``); then nothing is limited until the store throttles. A throttled answer to a
+request sent after the last decrease (and ``HOLD_S`` past it) sets the store's *limit* to the rate it
+accepted just before (node-wide, over the last few tenths of a second; at the first throttling, with
+few answers counted yet, the rate sent), never above the rate allowed until then, and the allowed
+rate drops to ``BETA`` (3/4) of that: a multiplicative decrease. Throttled answers to requests sent
+earlier are the same congestion seen late and decrease nothing. Then the allowed rate grows linearly
+back to the limit in ``(1 - BETA) / GAIN`` seconds and on beyond it, doubling every ``DOUBLING_S``,
+but never above twice what the store accepted in the last second (an idle node keeps its limit
+instead of inflating it); after ``RECOVER_S`` without a decrease the store is unlimited again.
+Requests take tokens from the store's bucket (a burst of ``BURST_S`` seconds of the allowed rate),
+and a ``Retry-After`` pauses the whole node's requests to that store (capped by the caller). Retries
+are jittered by :func:`blobdata._retry.with_retries`.
 
 **Where it lives.** One file per user, ``/dev/shm/blobdata-<uid>/throttle-v1.bin`` (directory 0700,
 file 0600; the temporary directory where there is no ``/dev/shm``), mapped into each process and
 changed under an ``fcntl`` lock: a table of stores (keyed by a hash of the protocol, endpoint, bucket
-and, for S3, the key's first path segment: S3 limits per prefix) and a table of owners (pid, start
+and, for S3, the folder's first path segment: S3 limits per prefix) and a table of owners (pid, start
 time, store, heartbeat, requests in flight). Entries of processes that are gone are swept (by pid and
 start time, :mod:`blobdata._owners`), and a store no live process uses is forgotten after
 ``IDLE_S``. A process that cannot use the file (a read-only ``/dev/shm``, a file not its user's)

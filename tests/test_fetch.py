@@ -7,6 +7,7 @@ import hashlib
 import multiprocessing
 import os
 import pickle
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,7 @@ def test_throttling_exhausts_its_time_not_the_attempts(
     with pytest.raises(Throttled) as info:
         _fetch(engine, s3_bucket.url("a.bin"))
     assert time.monotonic() - t0 >= 0.5
-    assert str(info.value).startswith(f"{s3_bucket.url('a.bin')}: still throttled after ")
+    assert re.match(rf"{re.escape(s3_bucket.url('a.bin'))}: (still )?throttled ", str(info.value))
     sent = len(s3_proxy.requests) - before
     # Every throttled answer is counted, and the wait for admission that ended the read, if it did.
     assert sent > 3 and engine.stats()["errors"]["throttle"] in (sent, sent + 1)
