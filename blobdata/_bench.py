@@ -7,9 +7,10 @@ then a verdict and what to change. The numbers are the loader's own :meth:`~blob
 the timeline (images/s and hit rate over windows of a few batches) is what ``--plot`` draws.
 
 Verdicts: ``latency-bound`` (workers wait for the bucket longer than they work: the look-ahead does
-not hide its latency), ``decode-bound`` (decode, transform and collate take most of a sample's time:
-the cores are the limit). Advice follows from the measured costs: ``W / (work + wait)`` img/s for W
-workers, ``cores / work`` at most for this machine's cores.
+not hide its latency), ``store-throttled`` (they wait for the bucket because it throttles: the node
+sends what the store accepts, see :mod:`blobdata._throttle`), ``decode-bound`` (decode, transform and
+collate take most of a sample's time: the cores are the limit). Advice follows from the measured
+costs: ``W / (work + wait)`` img/s for W workers, ``cores / work`` at most for this machine's cores.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import ConfigError
-from ._stats import LoaderStats, stages
+from ._stats import LoaderStats, stages, throttle_bound
 
 __all__ = ["BenchResult", "add_parser", "advise", "command", "plot", "run_bench"]
 
@@ -94,6 +95,9 @@ class BenchResult:
             f"  GET: {s.gets} requests, p50 {s.get_p50_s * 1e3:.1f} ms, p99 {s.get_p99_s * 1e3:.1f} ms; "
             f"retries {s.retries} (throttled {s.retries_throttle}, 5xx {s.retries_server}, "
             f"timeout {s.retries_timeout}, reset {s.retries_connection}); {s.errors_skipped} skipped",
+            f"  requests in flight: {s.concurrency_mean:.1f} on average; throttled answers {s.throttled} "
+            f"({s.throttled_share:.0%})"
+            + (f", the node allows {s.rate_limit:.0f} GET/s now" if s.rate_limit else ""),
             f"  verdict: {self.verdict}",
         ]
         lines += [f"  - {a}" for a in self.advice]
@@ -125,7 +129,18 @@ def advise(
     if busy <= 0:
         return "unknown", ["no sample was served: nothing to judge"]
     verdict = "latency-bound" if wait > work else "decode-bound"
-    if wait > HIDDEN * busy:  # the workers sit idle waiting for bytes a good part of the time
+    if verdict == "latency-bound" and throttle_bound(s):
+        verdict = "store-throttled"
+        rate = s.gets / s.elapsed_s if s.elapsed_s > 0 else 0.0
+        advice.append(
+            f"the store throttles: {s.throttled} answers ({s.throttled_share:.0%}) asked to slow down, and "
+            f"the node sent about {rate:.0f} GET/s, what it accepts; more workers or lookahead will not "
+            "help: ask for a higher request rate (S3: spread the keys over more prefixes), or warm a "
+            "cache with `blobdata warm` so that later epochs do not ask the store"
+        )
+    if (
+        wait > HIDDEN * busy and verdict != "store-throttled"
+    ):  # idle waiting for bytes a good part of the time
         hint = f"GET p50 {s.get_p50_s * 1e3:.0f} ms"
         if lookahead < 4 * max(s.samples // max(s.batches, 1), 1):
             advice.append(
@@ -138,7 +153,9 @@ def advise(
                 f"{wait * 1e3:.2f} ms wait per sample): raise concurrency, lookahead or lookahead_bytes, "
                 "or warm a cache with `blobdata warm`"
             )
-    if workers < ncores or (verdict == "latency-bound" and workers < 4 * ncores):
+    if verdict != "store-throttled" and (
+        workers < ncores or (verdict == "latency-bound" and workers < 4 * ncores)
+    ):
         advice.append(
             f"more workers would help: {procs} give at most {procs / busy:.0f} img/s at these costs, "
             f"{ncores} cores about {ncores / work:.0f} img/s once the wait is hidden"

@@ -399,5 +399,3 @@ def cmd_cache_clear(args: argparse.Namespace) -> int:
     removed = f"{before.get('entries', '?')} entries, {human_size(used_bytes(before))}"
     print(f"cleared {args.cache_dir}: removed {removed}")
     return EXIT_OK
-
-

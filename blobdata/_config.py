@@ -123,7 +123,8 @@ DEFAULT_LISTING_MAX_AGE = "7d"
 class FetchOptions:
     """How objects are fetched. Keyword-only; sizes and durations accept human forms.
 
-    concurrency:     requests in flight per process (default 64; ``BLOBDATA_CONCURRENCY``).
+    concurrency:     requests in flight per process at most (default 64; ``BLOBDATA_CONCURRENCY``);
+                     a store that throttles gets fewer, as its node-wide rate allows.
     timeout:         per-request deadline in seconds, connect to last byte (default 30).
     attempts:        attempts per request in total, the first included (default 6; 1 = no retry);
                      throttling, 5xx, timeouts and connection resets are retried, 403/404 never.
@@ -133,6 +134,14 @@ class FetchOptions:
     part_size:       objects larger than this are fetched as parallel range requests (default 8 MiB).
     listing_timeout: deadline in seconds of a whole S3 listing, every page and retry included
                      (default 3600): a store that keeps sending pages cannot keep it going for ever.
+    throttle_wait:   how long a read may go on being throttled (429, 503 SlowDown) before it fails
+                     with Throttled, in seconds (default 10). Throttled answers do not count against
+                     ``attempts``: the node's throttle controller slows down to what the store accepts
+                     and the read waits its turn, failing only when the store accepted none of the
+                     node's requests for this long (or throttled this read for this long).
+    adaptive:        share the node's throttle controller (default True). False: requests go at the
+                     fixed ``concurrency`` whatever the store answers, and throttled answers spend
+                     ``attempts`` like failures (blobdata's behaviour before the controller).
     """
 
     concurrency: int = 64
@@ -142,6 +151,8 @@ class FetchOptions:
     max_backoff: float = 5.0
     part_size: int = 8 * 1024**2
     listing_timeout: float = 3600.0
+    throttle_wait: float = 10.0
+    adaptive: bool = True
 
     def __init__(
         self,
@@ -154,6 +165,8 @@ class FetchOptions:
         max_backoff: float | str = 5.0,
         part_size: int | str = 8 * 1024**2,
         listing_timeout: float | str = 3600.0,
+        throttle_wait: float | str = 10.0,
+        adaptive: bool = True,
     ) -> None:
         if concurrency is None:
             raw = env("BLOBDATA_CONCURRENCY")
@@ -192,6 +205,10 @@ class FetchOptions:
         set_(self, "max_backoff", parse_duration(max_backoff, name="max_backoff"))
         set_(self, "part_size", part)
         set_(self, "listing_timeout", parse_duration(listing_timeout, name="listing_timeout"))
+        set_(self, "throttle_wait", parse_duration(throttle_wait, name="throttle_wait"))
+        if not isinstance(adaptive, bool):
+            raise ConfigError(f"adaptive must be True or False, got {adaptive!r}")
+        set_(self, "adaptive", adaptive)
 
     @property
     def retries(self) -> int:

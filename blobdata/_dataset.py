@@ -83,7 +83,10 @@ class _Process:
     def __init__(self, ds: FolderDataset) -> None:
         self.pid = _process.pid()
         self.engine = FetchEngine(
-            ds.fetch_options, ds._protocol, resolve_storage_options(ds._protocol, ds._storage_options)
+            ds.fetch_options,
+            ds._protocol,
+            resolve_storage_options(ds._protocol, ds._storage_options),
+            root=ds.url,
         )
         # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
         self.cache: BlobCache | None = ds.cache

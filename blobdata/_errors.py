@@ -100,9 +100,11 @@ def _fields_from(text: str) -> dict[str, Any]:
                 fields = json.loads(line[len(_FIELDS_NOTE) :])
             except ValueError:
                 return {}
-            return {k: v for k, v in fields.items() if isinstance(k, str) and k != "message"} if isinstance(
-                fields, dict
-            ) else {}
+            return (
+                {k: v for k, v in fields.items() if isinstance(k, str) and k != "message"}
+                if isinstance(fields, dict)
+                else {}
+            )
     return {}
 
 

@@ -10,6 +10,10 @@ with a client's own.
 Objects larger than ``part_size`` are read as parallel range requests pinned to one identity
 (ETag): if the object is replaced mid-read the result is :class:`ObjectChanged`, never bytes mixed
 from two versions.
+
+Each request to a store is admitted by the node's throttle controller first (:mod:`blobdata._admission`,
+:mod:`blobdata._throttle`): free while the store has never throttled; once it has, at the rate the
+store accepts, shared by every process of the node. ``concurrency`` stays the ceiling per process.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from . import _loop, _process, _stats
+from ._admission import Gate, gate_for, private_gate, store_key
 from ._config import FetchOptions
 from ._errors import (
     AccessDenied,
@@ -34,7 +39,7 @@ from ._errors import (
 )
 from ._retry import with_retries
 from ._stores import Reader, ReadResult, reader_for
-from ._stores.options import resolve_storage_options
+from ._stores.options import listing_scope, resolve_storage_options
 from ._url import parse_url
 
 __all__ = ["FetchEngine"]
@@ -45,6 +50,23 @@ class _State(NamedTuple):
     loop: asyncio.AbstractEventLoop
     semaphore: asyncio.Semaphore
     reader: Reader
+    gates: dict[tuple[str, str], Gate]  # (bucket, prefix) -> the gate to that store
+    private: Gate | None  # an injected reader's own controller
+
+
+def endpoint_of(protocol: str, storage_options: Mapping[str, Any]) -> str:
+    """Where a store's requests go, without credentials: the listing's scope (endpoint, or Azure
+    account), and for Azure the blob endpoint too (an emulator's accounts share one name)."""
+    scope = listing_scope(protocol, storage_options)
+    if protocol == "az":
+        parts = str(storage_options.get("connection_string") or "").split(";")
+        scope += "|" + "|".join(p.strip() for p in parts if p.strip().startswith("BlobEndpoint="))
+        scope += "|" + str(storage_options.get("account_url") or "")
+    return scope
+
+
+#: Stores read in this process (no request rate to share with other processes).
+_LOCAL = frozenset({"file", "memory"})
 
 
 _ERROR_KINDS = ((NotFound, "not_found"), (AccessDenied, "access_denied"), (ObjectChanged, "changed"))
@@ -66,9 +88,13 @@ class FetchEngine:
         storage_options: Mapping[str, Any] | None,
         *,
         reader: Reader | None = None,
+        root: str | None = None,
     ) -> None:
         self.options = options
         self.protocol = protocol
+        # The folder this engine reads: for S3, which limits request rates per prefix, its first
+        # path segment names the node's throttle controller together with the bucket.
+        self._prefix = root.partition("://")[2].partition("/")[2].split("/", 1)[0] if root else ""
         self._storage_options = resolve_storage_options(protocol, storage_options)
         self._reader = reader  # None: the store's own, made in each process on first use
         self._state: _State | None = None
@@ -100,7 +126,8 @@ class FetchEngine:
             reader = self._reader
         else:
             reader = reader_for(self.protocol, self._storage_options, concurrency=self.options.concurrency)
-        st = _State(pid, loop, asyncio.Semaphore(self.options.concurrency), reader)
+        private = private_gate(self.options.concurrency) if self._reader is not None else None
+        st = _State(pid, loop, asyncio.Semaphore(self.options.concurrency), reader, {}, private)
         _loop.close_at_exit(self)  # connections are closed on the loop at interpreter exit
         self._state = st
         return st
@@ -130,6 +157,20 @@ class FetchEngine:
             raise ConfigError(f"expected {scheme}://bucket/key, got {url!r}", url=url)
         return bucket, key
 
+    def _gate(self, st: _State, bucket: str, key: str) -> Gate | None:
+        """The throttle gate of ``bucket``/``key``'s store (None for local files and memory)."""
+        if not self.options.adaptive or self.protocol in _LOCAL:
+            return None
+        if st.private is not None:
+            return st.private
+        prefix = self._prefix if key.startswith(self._prefix + "/") else ""
+        gate = st.gates.get((bucket, prefix))
+        if gate is None:
+            endpoint = endpoint_of(self.protocol, self._storage_options)
+            store = store_key(self.protocol, endpoint, bucket, prefix)
+            gate = st.gates[(bucket, prefix)] = gate_for(store, self.options.concurrency)
+        return gate
+
     # -- one request with the retry budget ---------------------------------------------------
     async def _request(
         self,
@@ -147,15 +188,62 @@ class FetchEngine:
         a truncated transfer, retried like a reset; a different total size is ObjectChanged."""
         counts = self._counts
         want = None if size is None else (end if end is not None else size) - (start or 0)
+        gate = self._gate(st, bucket, key)
+        options = self.options
+        tries = 0
+        began = time.monotonic()
 
         async def once() -> ReadResult:
-            async with st.semaphore:
+            nonlocal tries
+            tries += 1
+            if gate is None:
+                async with st.semaphore:
+                    counts["requests"] += 1
+                    t = time.perf_counter()
+                    _stats.note_inflight(1, time.monotonic())
+                    try:
+                        res = await st.reader.read(
+                            bucket,
+                            key,
+                            start=start,
+                            end=end,
+                            expect_identity=identity,
+                            timeout=options.timeout,
+                            size=size,
+                        )
+                    except TransientError as exc:
+                        if exc.kind == "throttle":
+                            _stats.note_throttled()
+                        raise
+                    finally:
+                        _stats.note_inflight(-1, time.monotonic())
+                    _stats.note_get(time.perf_counter() - t, len(res.body))
+            else:
+                # The gate bounds the requests in flight (concurrency) and admits them as the node's
+                # throttle controller allows; what it admits goes at once.
+                sent_at = await gate.admit(retry=tries > 1, patience=options.throttle_wait, since=began)
                 counts["requests"] += 1
+                outcome, pause = "none", 0.0
                 t = time.perf_counter()
-                res = await st.reader.read(
-                    bucket, key, start=start, end=end, expect_identity=identity, timeout=self.options.timeout,
-                    size=size,
-                )  # fmt: skip
+                try:
+                    res = await st.reader.read(
+                        bucket, key, start=start, end=end, expect_identity=identity, timeout=options.timeout,
+                        size=size,
+                    )  # fmt: skip
+                    outcome = "ok"
+                except TransientError as exc:
+                    if exc.kind != "throttle":
+                        raise
+                    outcome, pause = "throttle", min(exc.retry_after or 0.0, options.max_backoff)
+                    if gate.patience_left(began, options.throttle_wait) <= 0.0:
+                        # The store accepted nothing of this node's since this read began.
+                        raise gate.spent(options.throttle_wait) from exc
+                    raise
+                except BlobdataError:
+                    outcome = "ok"  # a final answer (404, 403, 412): the store took the request
+                    raise
+                finally:
+                    gate.finished(sent_at, outcome, pause)
                 _stats.note_get(time.perf_counter() - t, len(res.body))
             if want is not None and len(res.body) != want:
                 same = res.total == size or (identity is not None and res.identity == identity)

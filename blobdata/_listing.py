@@ -126,8 +126,10 @@ async def list_with(
     if not anything and url.protocol == "file" and os.path.isdir(url.prefix):
         anything = True  # an empty folder: said as torchvision says it, below
     if not anything:
-        where = "the path (no such local folder, or it is empty)" if url.protocol == "file" else (
-            "the bucket and prefix"
+        where = (
+            "the path (no such local folder, or it is empty)"
+            if url.protocol == "file"
+            else ("the bucket and prefix")
         )
         raise NotFound(f"nothing found at {root}: check {where}; a dataset folder holds one sub-folder "
                        "per class", url=root)  # fmt: skip

@@ -24,7 +24,8 @@ from ._errors import ConfigError
 from ._lookahead import PlanChannel, PlanningBatchSampler
 from ._resume import Progress, own_generator
 from ._skips import SkipLog
-from ._stats import LoaderStats, LoopClock, Records, TimedCollate, TimedIter
+from ._stats import LoaderStats, Records, TimedCollate
+from ._timing import LoopClock, TimedIter
 from .gpu._pipeline import DevicePipeline, collate_raw
 
 __all__ = ["BlobLoader"]

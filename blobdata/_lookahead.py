@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _process
+from . import _owners, _process
 
-__all__ = ["LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager"]
+__all__ = ["LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels"]
 
 
 class Plan:
@@ -80,18 +80,50 @@ def _shm_root() -> str:
     return tempfile.gettempdir()
 
 
+_PLAN_PREFIX = "blobdata-plan-"
+
+
+def sweep_dead_channels(root: str | None = None) -> list[str]:
+    """Remove the plan directories (``blobdata-plan-<pid>-*``, this user's) whose loader process is
+    gone: one killed by SIGKILL (the OOM killer, a preempted node) could not remove its own, and
+    ``/dev/shm`` is memory. A pid now held by a process that started after the directory was last
+    written is another process: its owner is gone too. Returns the paths removed."""
+    root = root or _shm_root()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_PLAN_PREFIX)]
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for name in names:
+        pid_text = name[len(_PLAN_PREFIX) :].partition("-")[0]
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not pid_text.isdigit() or st.st_uid != uid or int(pid_text) == _process.pid():
+            continue
+        if not _owners.alive(int(pid_text), since=st.st_mtime) and _owners.remove_owned_tree(path):
+            removed.append(path)
+    return removed
+
+
 class PlanChannel:
     """A private directory through which the main process publishes plans to worker processes.
 
     Pickles as its path, so fork, spawn and forkserver workers (persistent or not) all see each new
     epoch's plan. The directory (mode 0700) is removed when the publishing object is collected or the
-    interpreter exits.
+    interpreter exits; those of loaders that died without removing theirs are swept when a new
+    channel is made (:func:`sweep_dead_channels`).
     """
 
     def __init__(self, path: str | None = None) -> None:
         self._owner = path is None
         if path is None:
-            path = tempfile.mkdtemp(prefix=f"blobdata-plan-{_process.pid()}-", dir=_shm_root())
+            root = _shm_root()
+            sweep_dead_channels(root)
+            path = tempfile.mkdtemp(prefix=f"{_PLAN_PREFIX}{_process.pid()}-", dir=root)
             os.chmod(path, 0o700)
             self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid())
         self.path = path

@@ -1,4 +1,5 @@
-"""Progress bars on stderr for long work: listing a bucket, downloading a manifest (``warm`` has its own).
+"""Progress bars on stderr for long work: listing a bucket, downloading a manifest (``warm`` has its own,
+whose postfix is a :class:`RequestsLine`).
 
 ``progress=None`` (the default everywhere) shows a bar only when stderr is a terminal, and only once
 the work has lasted half a second; ``False`` (the command line's ``--quiet``) never shows one.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-__all__ = ["bar", "download", "enabled"]
+__all__ = ["RequestsLine", "bar", "download", "enabled"]
 
 #: Bytes per read of a manifest download with a bar.
 _CHUNK = 8 * 1024 * 1024
@@ -44,3 +45,32 @@ def download(fs: Any, path: str, desc: str, progress: bool | None) -> bytes:
                 out += chunk
                 b.update(len(chunk))
     return bytes(out)
+
+
+class RequestsLine:
+    """What a bar's postfix says of this process's requests since it was made: in flight now, and
+    the store's throttling (answers throttled, the rate the node's controller allows)."""
+
+    def __init__(self) -> None:
+        from . import _stats
+
+        self._v = _stats.rec()
+        self._start = (self._v[_stats.THROTTLED], self._v[_stats.GETS])
+
+    def throttled(self) -> int:
+        from . import _stats
+
+        return int(_stats.rec()[_stats.THROTTLED] - self._start[0])
+
+    def __str__(self) -> str:
+        from . import _stats
+
+        v = _stats.rec()
+        throttled = v[_stats.THROTTLED] - self._start[0]
+        answered = throttled + v[_stats.GETS] - self._start[1]
+        text = f"{v[_stats.INFLIGHT]:.0f} in flight"
+        if throttled:
+            text += f", {throttled:.0f} throttled ({throttled / answered:.0%})"
+        if v[_stats.RATE_LIMIT]:
+            text += f", store-throttled: {v[_stats.RATE_LIMIT]:.0f} GET/s allowed"
+        return text

@@ -25,7 +25,7 @@ import mmap
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -33,8 +33,8 @@ import numpy as np
 from . import _process
 
 __all__ = [
-    "LoaderStats", "LoopClock", "Slots", "TimedCollate", "TimedIter", "Records", "attach", "rec", "stages",
-    "verdict",
+    "LoaderStats", "Slots", "TimedCollate", "Records", "attach", "note_inflight", "note_rate_limit",
+    "note_throttled", "rec", "stages", "throttle_bound", "verdict",
 ]  # fmt: skip
 
 log = logging.getLogger("blobdata")
@@ -45,13 +45,15 @@ _MAGIC = 6.02214e23 + 14.0  # slot 0: marks a blobdata stats record
     SERVED, FROM_CACHE, FROM_BUCKET, STAGED, ERRORS, BATCHES, BYTES_BUCKET, BYTES_CACHE, GETS, GET_S,
     R_THROTTLE, R_SERVER, R_TIMEOUT, R_CONNECTION, R_SHORT_READ, R_OTHER,
     FETCH_WAIT_S, CACHE_S, DECODE_S, TRANSFORM_S, COLLATE_S, CACHE_STORED, CACHE_DROPPED,
-    DEVICE_DECODED, DEVICE_REFUSED, WORKER_DECODED,
-) = range(2, 28)  # fmt: skip
+    DEVICE_DECODED, DEVICE_REFUSED, WORKER_DECODED, THROTTLED, INFLIGHT, INFLIGHT_S, RATE_LIMIT,
+) = range(2, 32)  # fmt: skip
+#: Gauges (a value now, not a count): a record of an exited process adds 0; the rate limit is a maximum.
+_GAUGES = (INFLIGHT, RATE_LIMIT)
 _RETRY_SLOT = {
     "throttle": R_THROTTLE, "server": R_SERVER, "timeout": R_TIMEOUT, "connection": R_CONNECTION,
     "short_read": R_SHORT_READ,
 }  # fmt: skip
-_HIST0 = 28
+_HIST0 = 32
 #: GET latency histogram: 4 buckets per octave from 10 us; the last bucket holds everything above ~170 s.
 _BUCKETS = 96
 _BASE_S = 1e-5
@@ -82,11 +84,16 @@ class _Record:
 _rec = _Record()
 
 
+#: This process's requests in flight, and when that number last changed (``time.monotonic()``).
+_inflight = [0.0, 0.0]
+
+
 def _forget_in_child() -> None:
     # A forked child starts from zero and never writes into its parent's record.
     global _rec
     _process.orphan(_rec)
     _rec = _Record()
+    _inflight[:] = [0.0, 0.0]
 
 
 _process.at_fork(after_in_child=_forget_in_child)
@@ -116,6 +123,7 @@ def attach(directory: str) -> None:
         return
     v = cast(Slots, memoryview(mm).cast("d"))
     v[0], v[1] = _MAGIC, float(SIZE)
+    v[INFLIGHT], v[RATE_LIMIT] = _inflight[0], r.v[RATE_LIMIT]
     r.v, r.directory = v, directory
 
 
@@ -162,9 +170,15 @@ class Records:
             arr = np.frombuffer(data, dtype=np.float64)
             if arr[0] != _MAGIC or arr[1] != SIZE:
                 continue
-            total[2:] += arr[2:]
             pid = int(parts[1])
-            if pid != _process.pid() and not _alive(pid):  # it writes no more: fold it in
+            dead = pid != _process.pid() and not _alive(pid)
+            if dead:
+                arr = arr.copy()
+                arr[list(_GAUGES)] = 0.0  # nothing in flight, no limit seen: it is gone
+            rate_limit = max(total[RATE_LIMIT], arr[RATE_LIMIT])
+            total[2:] += arr[2:]
+            total[RATE_LIMIT] = rate_limit
+            if dead:  # it writes no more: fold it in
                 try:
                     os.unlink(path)
                 except OSError:
@@ -187,6 +201,26 @@ def note_get(seconds: float, nbytes: int) -> None:
 def note_retry(kind: str) -> None:
     """A transient failure of ``kind`` that will be retried (called on the loop thread)."""
     _rec.v[_RETRY_SLOT.get(kind, R_OTHER)] += 1
+
+
+def note_throttled() -> None:
+    """The store answered a request with throttling (429, 503 SlowDown / ServerBusy)."""
+    _rec.v[THROTTLED] += 1
+
+
+def note_inflight(delta: int, now: float) -> None:
+    """``delta`` requests started (+) or ended (-) at ``now`` (``time.monotonic()``; loop thread)."""
+    v, state = _rec.v, _inflight
+    if state[0]:
+        v[INFLIGHT_S] += state[0] * (now - state[1])
+    state[0] += delta
+    state[1] = now
+    v[INFLIGHT] = state[0]
+
+
+def note_rate_limit(rate: float) -> None:
+    """The request rate (per second) the node's throttle controller allows now; 0: no limit."""
+    _rec.v[RATE_LIMIT] = rate
 
 
 class TimedCollate:
@@ -228,7 +262,11 @@ class LoaderStats:
     samples the device's decoder decoded, ``device_refused`` the JPEGs it was given but returned
     nothing for (decoded with Pillow in the training process instead: slow; a warning says so past a
     threshold), and ``worker_decoded`` the samples the workers decoded on the CPU because the GPU
-    decoders do not take them (PNG, CMYK, 12-bit or arithmetic-coded JPEGs).
+    decoders do not take them (PNG, CMYK, 12-bit or arithmetic-coded JPEGs). ``throttled`` is the
+    requests the store answered with throttling
+    (``throttled_share`` of those answered); ``concurrency`` the requests in flight now, and
+    ``concurrency_mean`` on average while iterating; ``rate_limit`` the requests/s the node's throttle
+    controller allows the store now (0: no limit; see :mod:`blobdata._throttle`).
     :meth:`as_dict` gives the flat ``{name: number}`` that TensorBoard, Lightning or Prometheus take.
     """
 
@@ -251,6 +289,11 @@ class LoaderStats:
     retries_timeout: int = 0
     retries_connection: int = 0
     retries_short_read: int = 0
+    throttled: int = 0
+    throttled_share: float = 0.0
+    concurrency: float = 0.0
+    concurrency_mean: float = 0.0
+    rate_limit: float = 0.0
     cache_writes: int = 0
     cache_writes_dropped: int = 0
     device_decoded: int = 0
@@ -270,9 +313,18 @@ class LoaderStats:
 
     @classmethod
     def from_totals(
-        cls, t: np.ndarray, *, loop_wait_s: float, loop_batches: int, elapsed_s: float
+        cls,
+        t: np.ndarray,
+        *,
+        loop_wait_s: float,
+        loop_batches: int,
+        elapsed_s: float,
+        now: np.ndarray | None = None,
     ) -> LoaderStats:
-        """Build a snapshot from a record sum (:meth:`Records.total`, or a difference of two)."""
+        """Build a snapshot from a record sum (:meth:`Records.total`, or a difference of two; then
+        ``now`` is the latest sum, whose gauges are the current ones)."""
+        gauges = t if now is None else now
+        answered = t[GETS] + t[THROTTLED]
         served = int(t[SERVED])
         reads = t[FROM_CACHE] + t[FROM_BUCKET]
         per = 1.0 / served if served else 0.0
@@ -298,6 +350,11 @@ class LoaderStats:
             retries_timeout=retries[2],
             retries_connection=retries[3],
             retries_short_read=retries[4],
+            throttled=int(t[THROTTLED]),
+            throttled_share=float(t[THROTTLED] / answered) if answered else 0.0,
+            concurrency=float(gauges[INFLIGHT]),
+            concurrency_mean=float(t[INFLIGHT_S]) / elapsed_s if elapsed_s > 0 else 0.0,
+            rate_limit=float(gauges[RATE_LIMIT]),
             cache_writes=int(t[CACHE_STORED]),
             cache_writes_dropped=int(t[CACHE_DROPPED]),
             device_decoded=int(t[DEVICE_DECODED]),
@@ -328,13 +385,22 @@ class LoaderStats:
             "fetches; they are fetched again next epoch)"
         )
 
+    def _throttling(self) -> str:
+        if not self.throttled and not self.rate_limit:
+            return ""
+        limit = f", the node sends at most {self.rate_limit:.0f} GET/s" if self.rate_limit else ""
+        return f", {self.throttled} throttled ({self.throttled_share:.0%} of GETs){limit}"
+
     def summary(self) -> str:
-        """One line: images/s, hit rate, bucket MB/s, p99 GET, waits, and the verdict."""
+        """One line: images/s, hit rate, bucket MB/s, p99 GET, requests in flight, throttling,
+        waits, and the verdict."""
         kind, why = verdict(self)
         return (
             f"{self.samples} samples in {self.elapsed_s:.1f}s ({self.samples_per_s:.0f} img/s), "
             f"hit rate {self.hit_rate:.0%}, bucket {self.bucket_bytes_per_s / 1e6:.1f} MB/s, "
             f"GET p50 {self.get_p50_s * 1e3:.0f} ms p99 {self.get_p99_s * 1e3:.0f} ms, "
+            f"{self.concurrency_mean:.1f} in flight on average ({self.concurrency:.0f} now)"
+            f"{self._throttling()}, "
             f"{self.retries} retries, {self.errors_skipped} skipped{self._dropped()}; the loop waited "
             f"{self.loop_wait_s:.1f}s ({self.wait_fraction:.0%}): {kind}: {why}"
         )
@@ -355,13 +421,29 @@ def stages(s: LoaderStats) -> dict[str, float]:
 INPUT_BOUND = 0.1
 
 
+#: Throttled answers above this share of GETs (or a rate limit in force) mean the store sets the pace.
+THROTTLED_SHARE = 0.01
+
+
+def throttle_bound(s: LoaderStats) -> bool:
+    """Whether the store's throttling bounds what the workers get: a limit in force, or throttled answers."""
+    return s.rate_limit > 0 or s.throttled_share >= THROTTLED_SHARE
+
+
 def verdict(s: LoaderStats) -> tuple[str, str]:
-    """``("input-bound" | "compute-bound", why)`` from the loop's waits and the workers' stages."""
+    """``("input-bound" | "compute-bound" | "store-throttled", why)`` from the loop's waits, the
+    workers' stages and the store's throttling."""
     cost = stages(s)
     top = max(cost, key=lambda k: cost[k])
     per = sum(cost.values())
     if s.wait_fraction <= INPUT_BOUND:
         return "compute-bound", f"batches were ready {1 - s.wait_fraction:.0%} of the time"
+    if top == "fetch" and throttle_bound(s):
+        return "store-throttled", (
+            f"the store throttled {s.throttled} requests ({s.throttled_share:.0%}); the node sent "
+            f"{s.gets / s.elapsed_s if s.elapsed_s > 0 else 0.0:.0f} GET/s, what it accepts (ask for a "
+            "higher limit, spread the keys over more prefixes, or warm a cache)"
+        )
     share = cost[top] / per if per > 0 else 0.0
     where = (
         "waiting for the bucket (raise lookahead or concurrency, or warm a cache)"
@@ -369,76 +451,3 @@ def verdict(s: LoaderStats) -> tuple[str, str]:
         else f"{top} (add workers if cores are idle)"
     )
     return "input-bound", f"workers spend {share:.0%} of {per * 1e3:.2f} ms per sample in {where}"
-
-
-# -- the training loop's side --------------------------------------------------------------------------
-class LoopClock:
-    """The training process's clock of one loader: seconds in ``next()`` and seconds iterating."""
-
-    def __init__(self) -> None:
-        self.wait_s = 0.0
-        self.batches = 0
-        self.elapsed_s = 0.0
-
-
-class TimedIter:
-    """Wraps a DataLoader iterator: times each ``next()`` and logs an epoch summary at its end.
-
-    Attributes not defined here are the wrapped iterator's (``_num_yielded`` and the like).
-    """
-
-    def __init__(
-        self, make: Callable[[], Iterator[Any]], clock: LoopClock, records: Records, log_epoch: bool = True
-    ) -> None:
-        self._clock = clock
-        self._records = records
-        self._log = log_epoch and log.isEnabledFor(logging.INFO)
-        self._t0 = time.perf_counter()
-        self._start = (records.total() if self._log else None, clock.wait_s, clock.batches)
-        self._it = make()  # worker start-up is waiting too
-        self._mark = self._t0
-        clock.wait_s += time.perf_counter() - self._t0
-        self._done = False
-
-    def __iter__(self) -> TimedIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._it)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_it", "_clock", "_records"):
-            raise AttributeError(name)
-        return getattr(self._it, name)
-
-    def __next__(self) -> Any:
-        clock = self._clock
-        t = time.perf_counter()
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self._finish()
-            raise
-        now = time.perf_counter()
-        clock.wait_s += now - t
-        clock.elapsed_s += now - self._mark
-        self._mark = now
-        clock.batches += 1
-        return batch
-
-    def _finish(self) -> None:
-        now = time.perf_counter()
-        self._clock.elapsed_s += now - self._mark
-        self._mark = now
-        if self._done:
-            return
-        self._done = True
-        totals, wait0, batches0 = self._start
-        if totals is not None:
-            epoch = LoaderStats.from_totals(
-                self._records.total() - totals,
-                loop_wait_s=self._clock.wait_s - wait0,
-                loop_batches=self._clock.batches - batches0,
-                elapsed_s=now - self._t0,
-            )
-            log.info("epoch: %s", epoch.summary())

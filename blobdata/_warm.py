@@ -28,6 +28,7 @@ import numpy as np
 
 from ._config import FetchOptions, parse_size
 from ._errors import CacheError, ConfigError
+from ._progress import RequestsLine
 from ._url import parse_url
 from ._warm_summary import (
     WarmSummary,
@@ -106,6 +107,7 @@ class _Job:
     summary: WarmSummary
     progress: Any
     put_pool: concurrent.futures.ThreadPoolExecutor
+    requests: RequestsLine = dataclasses.field(default_factory=RequestsLine)
 
 
 async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
@@ -172,7 +174,9 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
             s.fetched += 1
             s.fetched_bytes += len(data)
             job.progress.update(len(data))
-            job.progress.set_postfix_str(f"{s.fetched}/{len(job.todo)} objects", refresh=False)
+            job.progress.set_postfix_str(
+                f"{s.fetched}/{len(job.todo)} objects, {job.requests}", refresh=False
+            )
         elif _refusal(job.cache) == "full":
             # Admit no more, but let the requests in flight finish: smaller ones may still fit.
             s.cache_full = True
@@ -365,7 +369,7 @@ def warm(
             mininterval=0.5 if sys.stderr.isatty() else 10.0,
         )
         engine = FetchEngine(
-            FetchOptions(concurrency=concurrency), parse_url(m.root).protocol, storage_options
+            FetchOptions(concurrency=concurrency), parse_url(m.root).protocol, storage_options, root=m.root
         )
         pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=min(PUT_WRITERS, concurrency), thread_name_prefix="blobdata-put"
@@ -393,6 +397,7 @@ def warm(
                 future.cancel()  # a second Ctrl-C: leave now; cache writes are atomic anyway
         finally:
             summary.seconds = time.monotonic() - t0
+            summary.throttled = job.requests.throttled()
             bar.close()
             pool.shutdown(wait=True, cancel_futures=True)
         summary.cache_info = cache.info()
@@ -431,8 +436,6 @@ def _wait(
             if on_interrupt is not None:
                 on_interrupt()
             raise
-
-
 
 
 def warm_cache(

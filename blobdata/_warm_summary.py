@@ -53,6 +53,7 @@ class WarmSummary:
     write_error: CacheError | None = None
     cache_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     fits: bool | None = None  # whether what is missing fits in the cache's free room
+    throttled: int = 0  # requests the store answered with throttling (retried; the node slowed down)
 
     @property
     def mb_per_s(self) -> float:
@@ -79,6 +80,8 @@ def print_summary(s: WarmSummary, *, rank: int, world_size: int, cache_dir: str,
         f"  skipped  {s.skipped} objects already cached ({human_size(s.skipped_bytes)})",
         f"  failed   {s.failed} objects",
     ]
+    if s.throttled:
+        lines.insert(2, f"  throttled {s.throttled} requests: the store limits its request rate (retried)")
     for url, message in s.failures:
         lines.append(f"    {url}: {message}")
     if s.failed > len(s.failures):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,15 +306,16 @@ def test_object_overwritten_after_listing_is_object_changed(any_bucket: TestBuck
 
 
 @contextlib.contextmanager
-def _proxied(bucket: TestBucket) -> Iterator[tuple[LatencyProxy, FetchEngine, str]]:
-    """A fault proxy before the bucket's server, an engine (4 attempts, 64 KiB parts) reading through
-    it, and the URL of a 200 KiB object ``r/cls/a.bin``; skips for stores with no server."""
+def _proxied(bucket: TestBucket, **fetch_options: Any) -> Iterator[tuple[LatencyProxy, FetchEngine, str]]:
+    """A fault proxy before the bucket's server, an engine (4 attempts, 64 KiB parts, and
+    ``fetch_options``) reading through it, and the URL of a 200 KiB object ``r/cls/a.bin``; skips for
+    stores with no server."""
     with contextlib.ExitStack() as stack:
         try:
             proxy, options = stack.enter_context(buckets.through_proxy(bucket))
         except LookupError as exc:
             pytest.skip(str(exc))
-        options_ = FetchOptions(**{**FAST, "attempts": 4, "part_size": "64KiB"})
+        options_ = FetchOptions(**{**FAST, "attempts": 4, "part_size": "64KiB", **fetch_options})
         engine = FetchEngine(options_, _protocol(bucket), options)
         stack.callback(engine.close)
         yield proxy, engine, bucket.url("r/cls/a.bin")
@@ -350,9 +352,16 @@ def test_exhausted_retries_are_the_final_error(
     any_bucket: TestBucket, mode: FaultMode, error: type[FetchError]
 ) -> None:
     any_bucket.put("r/cls/a.bin", b"payload")
-    with _proxied(any_bucket) as (proxy, engine, url):
+    # Throttling spends no attempts: its budget is throttle_wait seconds of being throttled.
+    with _proxied(any_bucket, throttle_wait=0.5) as (proxy, engine, url):
         proxy.fail_next(100, mode, method="GET")
         out = engine.fetch_many_sync([(url, None, None)], timeout=60)
         assert type(out[0]) is error, out[0]  # throttling and server errors are told apart on every store
-        assert url in str(out[0]) and "4 attempts" in str(out[0])
-        assert _data_gets(proxy) == 4
+        if mode == "status500":
+            assert url in str(out[0]) and "4 attempts" in str(out[0])
+            assert _data_gets(proxy) == 4
+        else:
+            assert re.match(
+                rf"{re.escape(url)}: (still throttled after \d+ attempts over|throttled for) 0\.", str(out[0])
+            )
+            assert _data_gets(proxy) >= 2

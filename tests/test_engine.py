@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,8 +64,7 @@ def test_transient_failures_are_retried_within_the_budget(engines: list[FetchEng
 
 
 @pytest.mark.parametrize(
-    ("kind", "error"),
-    [("throttle", Throttled), ("timeout", FetchTimeout), ("server", FetchError), ("connection", FetchError)],
+    ("kind", "error"), [("timeout", FetchTimeout), ("server", FetchError), ("connection", FetchError)]
 )
 def test_exhausted_budget_is_the_final_error_naming_the_url(
     engines: list[FetchEngine], kind: str, error: type[Exception]
@@ -77,6 +78,35 @@ def test_exhausted_budget_is_the_final_error_naming_the_url(
     assert "s3://b/k" in str(info.value) and "4 attempts" in str(info.value)
     assert len(reader.reads("b/k")) == 4  # exactly the budget: the first attempt and three retries
     assert engine.stats()["retries"] == 3
+
+
+def test_throttling_does_not_spend_the_attempts(engines: list[FetchEngine]) -> None:
+    """Throttling is the store asking for a lower rate, not a failure: ten throttled answers in a
+    row do not exhaust attempts=4, and the read completes."""
+    reader = FakeReader({"b/k": b"payload"})
+    reader.fail("b/k", 10, "throttle")
+    engine = _engine(engines, reader, attempts=4)
+    assert _fetch(engine, "s3://b/k")[0] == b"payload"
+    assert len(reader.reads("b/k")) == 11
+    assert engine.stats()["errors"] == {"throttle": 10}
+
+
+def test_a_store_that_only_throttles_ends_each_read_with_throttled(engines: list[FetchEngine]) -> None:
+    """Throttled for ever: each read ends after throttle_wait with Throttled naming its URL."""
+    reader = FakeReader({f"b/{i}": b"x" for i in range(20)})
+    for i in range(20):
+        reader.fail(f"b/{i}", 1000, "throttle")
+    engine = _engine(engines, reader, attempts=4, throttle_wait=0.3, max_backoff=0.05)
+    t0 = time.monotonic()
+    out = engine.fetch_many_sync([(f"s3://b/{i}", None, None) for i in range(20)], timeout=60)
+    elapsed = time.monotonic() - t0
+    for i, err in enumerate(out):
+        assert type(err) is Throttled, err
+        assert err.url == f"s3://b/{i}" and re.match(rf"s3://b/{i}: (still )?throttled ", str(err))
+    assert elapsed >= 0.3  # the budget is time, not attempts: 4 attempts would take milliseconds
+    # Every read ended: the controller slowed down to its floor meanwhile, so fewer than the
+    # attempts a 1 ms backoff would allow were made (the patience, not a count, ended them).
+    assert len(reader.calls) < 20 * 100
 
 
 def test_one_attempt_means_no_retry(engines: list[FetchEngine]) -> None:
@@ -101,9 +131,10 @@ def test_final_errors_are_not_retried(engines: list[FetchEngine]) -> None:
 
 
 def test_each_item_of_a_batch_has_its_own_budget(engines: list[FetchEngine]) -> None:
+    # 5xx: throttling spends no attempts (test_throttling_does_not_spend_the_attempts).
     reader = FakeReader({f"b/{i}": bytes([i]) for i in range(10)})
     for i in range(0, 10, 2):
-        reader.fail(f"b/{i}", 2, "throttle")
+        reader.fail(f"b/{i}", 2, "server")
     engine = _engine(engines, reader, attempts=3)
     out = engine.fetch_many_sync([(f"s3://b/{i}", 1, None) for i in range(10)], timeout=60)
     assert out == [bytes([i]) for i in range(10)]
@@ -234,9 +265,10 @@ def test_concurrency_bounds_the_parts_of_one_object(engines: list[FetchEngine]) 
 
 
 def test_retries_wait_outside_the_concurrency_bound(engines: list[FetchEngine]) -> None:
-    """A request backing off holds no slot: with one slot, others are served while it waits."""
+    """A request backing off holds no slot: with one slot, others are served while it waits. (A 5xx
+    with Retry-After: a throttled answer's Retry-After pauses every request to the store.)"""
     reader = FakeReader({"b/slow": b"s", "b/a": b"a", "b/b": b"b"})
-    reader.fail("b/slow", 1, "throttle", retry_after=0.2)
+    reader.fail("b/slow", 1, "server", retry_after=0.2)
     engine = _engine(engines, reader, concurrency=1, attempts=2, max_backoff=1.0)
     out = engine.fetch_many_sync([(f"s3://b/{k}", None, None) for k in ("slow", "a", "b")], timeout=60)
     assert out == [b"s", b"a", b"b"]

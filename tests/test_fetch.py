@@ -7,6 +7,7 @@ import hashlib
 import multiprocessing
 import os
 import pickle
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,9 @@ def test_transient_failures_are_retried(s3_bucket: Any, s3_proxy: Any, close_eng
 
 
 def test_retries_exhausted_is_throttled(s3_bucket: Any, s3_proxy: Any, close_engines: Any) -> None:
+    # adaptive=False: throttled answers spend attempts, as every failure does.
     s3_bucket.put("a.bin", b"x")
-    engine = _engine(s3_proxy.storage_options, attempts=3)
+    engine = _engine(s3_proxy.storage_options, attempts=3, adaptive=False)
     close_engines(engine)
     s3_proxy.fail_next(50, "status503")
     before = len(s3_proxy.requests)
@@ -88,6 +90,25 @@ def test_retries_exhausted_is_throttled(s3_bucket: Any, s3_proxy: Any, close_eng
     assert "3 attempts" in str(info.value) and s3_bucket.url("a.bin") in str(info.value)
     assert len(s3_proxy.requests) - before == 3
     assert engine.stats()["errors"]["throttle"] == 3
+
+
+def test_throttling_exhausts_its_time_not_the_attempts(
+    s3_bucket: Any, s3_proxy: Any, close_engines: Any
+) -> None:
+    # The default: throttled answers are retried for throttle_wait seconds, whatever attempts says.
+    s3_bucket.put("a.bin", b"x")
+    engine = _engine(s3_proxy.storage_options, attempts=3, throttle_wait=0.5)
+    close_engines(engine)
+    s3_proxy.fail_next(10**6, "status503")
+    before = len(s3_proxy.requests)
+    t0 = time.monotonic()
+    with pytest.raises(Throttled) as info:
+        _fetch(engine, s3_bucket.url("a.bin"))
+    assert time.monotonic() - t0 >= 0.5
+    assert re.match(rf"{re.escape(s3_bucket.url('a.bin'))}: (still )?throttled ", str(info.value))
+    sent = len(s3_proxy.requests) - before
+    # Every throttled answer is counted, and the wait for admission that ended the read, if it did.
+    assert sent > 3 and engine.stats()["errors"]["throttle"] in (sent, sent + 1)
 
 
 def test_server_errors_exhausted_is_fetch_error(s3_bucket: Any, s3_proxy: Any, close_engines: Any) -> None:

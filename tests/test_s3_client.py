@@ -552,10 +552,16 @@ def test_list_retries_share_one_budget(s3_bucket: Any, s3_proxy: Any) -> None:
         assert page.keys == ["p/k.bin"] and page.sizes == [1]
         assert len(s3_proxy.requests) == 3  # two throttled, one served: no retry stacked below
         s3_proxy.reset_counts()
-        s3_proxy.fail_next(5, "status503")
-        with pytest.raises(Throttled, match="s3://x/p/"):
+        s3_proxy.fail_next(5, "status500")
+        with pytest.raises(FetchError, match="s3://x/p/"):
             await with_retries(call, url="s3://x/p/", options=opts)
         assert len(s3_proxy.requests) == 3
+        s3_proxy.clear_faults()
+        s3_proxy.reset_counts()
+        s3_proxy.fail_next(10**6, "status503")  # throttling: its budget is throttle_wait, not attempts
+        with pytest.raises(Throttled, match="s3://x/p/"):
+            await with_retries(call, url="s3://x/p/", options=opts.replace(throttle_wait=0.3))
+        assert len(s3_proxy.requests) > 3
         s3_proxy.clear_faults()
         s3_proxy.reset_counts()
         s3_proxy.fail_next(1, "reset")

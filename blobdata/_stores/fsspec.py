@@ -226,9 +226,7 @@ class MemoryLister:
     async def below(self, folder: str) -> list[Entry]:
         base = self.url.fs_path.rstrip("/")
         found = self.fs.find(f"{base}/{folder}", detail=True, withdirs=False)
-        return [
-            (n[len(base) + 1 :], int(i["size"]), memory_identity(i)) for n, i in found.items()
-        ]
+        return [(n[len(base) + 1 :], int(i["size"]), memory_identity(i)) for n, i in found.items()]
 
     async def aclose(self) -> None:
         """Nothing to do: the client is shared through :func:`get_fs`."""

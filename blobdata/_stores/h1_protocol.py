@@ -371,4 +371,3 @@ class Conn(asyncio.BufferedProtocol):
 def expire(fut: asyncio.Future[None], what: str) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError(what))
-

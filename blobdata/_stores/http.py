@@ -28,7 +28,6 @@ _CONTENT_RANGE_RE = re.compile(r"bytes (\d{1,19})-(\d{1,19})/(\d{1,19}|\*)")
 C = TypeVar("C")
 
 
-
 class ProcessBound(Generic[C]):
     """One client per (process, running loop), made on first use by ``make`` and closed by ``close``."""
 

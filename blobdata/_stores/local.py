@@ -84,7 +84,6 @@ def _read_local(path: str, start: int | None, end: int | None, expect: str | Non
     return ReadResult(body, _local_identity(before), before.st_size)
 
 
-
 class LocalLister:
     """os.scandir / os.walk(followlinks=True) exactly as torchvision does, in threads."""
 

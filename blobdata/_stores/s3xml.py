@@ -29,7 +29,6 @@ class ListPage(NamedTuple):
     next_token: str | None
 
 
-
 def _query_quote(value: str) -> str:
     # SigV4's URI encoding: every byte but A-Za-z0-9-_.~ as %XX (upper case), '/' included.
     return quote(value, safe="")
@@ -125,4 +124,3 @@ def parse_list_page(body: bytes, url: str) -> ListPage:
     elif token is None:
         raise _malformed(url, "IsTruncated without a NextContinuationToken")
     return ListPage(keys, sizes, etags, prefixes, token)
-

@@ -53,7 +53,6 @@ def quote_key(key: str) -> str:
     return key if _PLAIN_KEY_RE.fullmatch(key) else quote(key, safe="/~")
 
 
-
 class SigV4Signer:
     """AWS Signature Version 4 for S3 requests without a body (GET/HEAD).
 
@@ -149,7 +148,6 @@ class _Scope(NamedTuple):
     name: str
     auth_prefix: str
     key: bytes
-
 
 
 # botocore's credential chain, resolved once per process (env, config files, SSO, IMDS, ...).

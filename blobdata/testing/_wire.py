@@ -1,7 +1,8 @@
-"""The latency proxy's wire: one delayed direction of a connection, HTTP/1.1 framing, canned errors.
+"""The latency proxy's wire: one delayed direction of a connection, HTTP/1.1 framing, canned errors,
+and the throttle mode's token bucket.
 
 The proxy (:mod:`blobdata.testing.proxy`) parses what a client sends so that requests on a
-keep-alive connection are counted, and faults hit one request, not a whole connection.
+keep-alive connection are counted, and faults (or throttling) hit one request, not a whole connection.
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 PENDING_BYTES = 32 * 1024 * 1024  # delayed bytes per direction before reading pauses (> bandwidth x delay)
 
@@ -27,17 +28,121 @@ _INTERNAL = (
 )
 
 
-def error_response(mode: str, *, close: bool) -> bytes:
+FaultMode = Literal["reset", "close", "status503", "status500", "stall"]
+FAULT_MODES: tuple[FaultMode, ...] = ("reset", "close", "status503", "status500", "stall")
+
+
+@dataclass
+class _Fault:
+    mode: FaultMode
+    remaining: int
+    method: str | None
+
+
+ThrottleStyle = Literal["s3", "gcs", "azure"]
+THROTTLE_STYLES: tuple[ThrottleStyle, ...] = ("s3", "gcs", "azure")
+
+_GCS_RATE = (
+    b'{"error":{"code":429,"message":"The rate of change requests to the object exceeds the rate limit. '
+    b'Please reduce the rate of requests.","errors":[{"reason":"rateLimitExceeded","domain":"usageLimits"}]}}'
+)
+_AZ_BUSY = (
+    b'<?xml version="1.0" encoding="utf-8"?>\n<Error><Code>ServerBusy</Code>'
+    b"<Message>Operations per second is over the account limit.</Message></Error>"
+)
+
+
+@dataclass
+class Throttle:
+    """A store's request-rate limit: a token bucket of ``burst`` requests refilled at ``rps`` per second.
+
+    A request that finds no token is answered at once, as the store would: S3 ``503 Slow Down``
+    (code SlowDown), GCS ``429 Too Many Requests`` (rateLimitExceeded) or Azure ``503`` with
+    ``x-ms-error-code: ServerBusy``; with ``Retry-After: retry_after_s`` when that is set.
+    ``methods``: the methods it counts (None: every request).
+    """
+
+    rps: float
+    burst: float
+    style: ThrottleStyle = "s3"
+    retry_after_s: float | None = None
+    methods: frozenset[str] | None = None
+    tokens: float = field(default=0.0, init=False)
+    stamp: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.rps > 0:
+            raise ValueError(f"throttle rps must be positive, got {self.rps!r}")
+        if not self.burst >= 1:
+            raise ValueError(f"throttle burst must be at least 1 request, got {self.burst!r}")
+        if self.style not in THROTTLE_STYLES:
+            raise ValueError(f"throttle style must be one of {THROTTLE_STYLES}, got {self.style!r}")
+        if self.retry_after_s is not None and self.retry_after_s < 0:
+            raise ValueError("retry_after_s must not be negative")
+        self.tokens = self.burst
+
+    @classmethod
+    def of(
+        cls,
+        rps: float,
+        burst: float | None,
+        style: ThrottleStyle,
+        retry_after_s: float | None,
+        methods: tuple[str, ...] | None,
+    ) -> Throttle:
+        """A full bucket; ``burst`` defaults to a tenth of a second's worth of requests (at least 1)."""
+        return cls(
+            float(rps),
+            float(burst) if burst is not None else max(1.0, rps / 10),
+            style,
+            retry_after_s,
+            frozenset(m.upper() for m in methods) if methods is not None else None,
+        )
+
+    def admit(self, method: str, now: float) -> bool:
+        """Whether a request of ``method`` arriving at ``now`` (seconds) gets through (takes a token)."""
+        if self.methods is not None and method not in self.methods:
+            return True
+        if self.stamp is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rps)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+    def response(self, *, close: bool, head_only: bool) -> bytes:
+        """The store's throttling answer (no body for a HEAD request: only its length is sent)."""
+        if self.style == "gcs":
+            status, reason, ctype, body, extra = 429, "Too Many Requests", "application/json", _GCS_RATE, ""
+        elif self.style == "azure":
+            status, reason, ctype, body = 503, "Server Busy", "application/xml", _AZ_BUSY
+            extra = "x-ms-error-code: ServerBusy\r\nx-ms-request-id: blobdata-proxy\r\n"
+        else:
+            status, reason, ctype, body = 503, "Slow Down", "application/xml", _SLOWDOWN
+            extra = "x-amz-request-id: blobdata-proxy\r\n"
+        if self.retry_after_s is not None:
+            extra += f"Retry-After: {self.retry_after_s:g}\r\n"
+        return _answer(status, reason, ctype, body, extra, close=close, head_only=head_only)
+
+
+def _answer(
+    status: int, reason: str, ctype: str, body: bytes, extra: str, *, close: bool, head_only: bool
+) -> bytes:
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}"
+        f"Connection: {'close' if close else 'keep-alive'}\r\n\r\n"
+    )
+    return head.encode("ascii") + (b"" if head_only else body)
+
+
+def error_response(mode: str, *, close: bool, head_only: bool = False) -> bytes:
     """The proxy's own answer to a ``status503`` fault (S3 SlowDown) or any other (S3 InternalError)."""
     status, reason, body = (
         (503, "Slow Down", _SLOWDOWN) if mode == "status503" else (500, "Internal Server Error", _INTERNAL)
     )
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
-        f"Content-Length: {len(body)}\r\nx-amz-request-id: blobdata-proxy\r\n"
-        f"Connection: {'close' if close else 'keep-alive'}\r\n\r\n"
-    )
-    return head.encode("ascii") + body
+    extra = "x-amz-request-id: blobdata-proxy\r\n"
+    return _answer(status, reason, "application/xml", body, extra, close=close, head_only=head_only)
 
 
 @dataclass

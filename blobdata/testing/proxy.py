@@ -16,6 +16,13 @@ without capping throughput (a chunk never waits for the one before it to be dela
 while a direction holds more than 32 MiB (``_wire.PENDING_BYTES``) or its destination's buffer is full.
 Client->server bytes are parsed as HTTP/1.1 (request line, headers, bodies framed by Content-Length
 or chunked encoding) so requests on keep-alive connections are counted one by one.
+
+Throttle mode stands in for a store's request-rate limit (S3's 5,500 GET/s per prefix, GCS's and
+Azure's account limits)::
+
+    proxy.set_throttle(150, burst=15, style="s3")   # 150 requests/s; beyond it 503 SlowDown
+    proxy.set_throttle(150, style="gcs", retry_after_s=1)   # 429, with Retry-After: 1
+    proxy.set_throttle(None)                        # no limit
 """
 
 from __future__ import annotations
@@ -25,26 +32,27 @@ import contextlib
 import socket
 import struct
 import threading
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Literal
 
-from ._wire import Direction, Request, RequestParser, error_response
+from ._ratelimit import ThrottleMode
+from ._wire import (
+    FAULT_MODES,
+    THROTTLE_STYLES,
+    Direction,
+    FaultMode,
+    Request,
+    RequestParser,
+    Throttle,
+    ThrottleStyle,
+    _Fault,
+    error_response,
+)
 
-__all__ = ["FAULT_MODES", "FaultMode", "LatencyProxy"]
+__all__ = ["FAULT_MODES", "THROTTLE_STYLES", "FaultMode", "LatencyProxy", "ThrottleStyle"]
 
-FaultMode = Literal["reset", "close", "status503", "status500", "stall"]
-FAULT_MODES: tuple[FaultMode, ...] = ("reset", "close", "status503", "status500", "stall")
 
 _CONNECT_TIMEOUT_S = 10.0
 _BACKLOG = 4096  # listen queue: capped by the kernel (net.core.somaxconn)
-
-
-@dataclass
-class _Fault:
-    mode: FaultMode
-    remaining: int
-    method: str | None
 
 
 class _Conn:
@@ -118,6 +126,10 @@ class _Conn:
                     if self.closed:
                         return
                     continue
+                answer = self.proxy._throttle_answer(req)
+                if answer is not None:
+                    self._answer(answer, req)
+                    continue
             if not self.drop:
                 self.up.push(chunk)
 
@@ -129,13 +141,19 @@ class _Conn:
         elif mode == "stall":
             self.ignore_client = self.stalled = True  # never forwarded, never answered
         else:
-            # A client waiting on 100-continue may or may not send its body now: close after answering
-            # so the stream cannot get out of step.
-            self.down.push(error_response(mode, close=req.expects_continue))
-            self.drop = True
-            if req.expects_continue:
-                self.ignore_client = True
-                self.down.push(None)
+            self._answer(
+                error_response(mode, close=req.expects_continue, head_only=req.method == "HEAD"), req
+            )
+
+    def _answer(self, response: bytes, req: Request) -> None:
+        """Answer ``req`` here instead of forwarding it (its body, if any, is dropped)."""
+        # A client waiting on 100-continue may or may not send its body now: close after answering
+        # so the stream cannot get out of step.
+        self.down.push(response)
+        self.drop = True
+        if req.expects_continue:
+            self.ignore_client = True
+            self.down.push(None)
 
     def client_eof(self) -> None:
         if self.stalled:
@@ -245,7 +263,7 @@ class _ServerSide(asyncio.Protocol):
         self.conn.up.dst_full(False)
 
 
-class LatencyProxy:
+class LatencyProxy(ThrottleMode):
     """Forward 127.0.0.1:``port`` to ``target_host:target_port`` with delay, bandwidth cap and faults.
 
     delay_s:                one-way delay in seconds, applied in each direction (RTT = 2 x delay_s;
@@ -256,6 +274,10 @@ class LatencyProxy:
                             server, standing in for TCP/TLS handshakes (default 0).
     count_requests:         parse HTTP and record each request in :attr:`requests` (default True);
                             with False, bytes are forwarded unparsed and faults act per connection.
+    throttle_rps:           throttle mode (needs ``count_requests``): the store accepts this many
+                            requests per second (a token bucket), and answers the others as a
+                            throttling store does (default None: no limit). ``throttle_burst``,
+                            ``throttle_style`` and ``retry_after_s`` are :meth:`set_throttle`'s.
     """
 
     def __init__(
@@ -267,6 +289,10 @@ class LatencyProxy:
         bandwidth_bytes_per_s: float | None = None,
         connect_delay_s: float = 0.0,
         count_requests: bool = True,
+        throttle_rps: float | None = None,
+        throttle_burst: float | None = None,
+        throttle_style: ThrottleStyle = "s3",
+        retry_after_s: float | None = None,
     ) -> None:
         if delay_s < 0 or connect_delay_s < 0:
             raise ValueError("delays must not be negative")
@@ -289,6 +315,14 @@ class LatencyProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
+        self._throttle: Throttle | None = None
+        self._answers: list[tuple[float, str, bool]] = []
+        if throttle_rps is not None:
+            if not count_requests:
+                raise ValueError("throttle mode needs count_requests=True: it answers requests one by one")
+            self.set_throttle(
+                throttle_rps, burst=throttle_burst, style=throttle_style, retry_after_s=retry_after_s
+            )
 
     # ----------------------------------------------------------------------------- public API
 
@@ -323,6 +357,7 @@ class LatencyProxy:
         """Forget the requests seen so far (pending faults stay)."""
         with self._lock:
             self._requests.clear()
+            self._answers.clear()
             self._faults_triggered = 0
 
     def fail_next(self, n: int, mode: FaultMode, *, method: str | None = None) -> None:
