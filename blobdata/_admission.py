@@ -22,6 +22,7 @@ import collections
 import contextlib
 import math
 import time
+from typing import NamedTuple
 
 from . import _process, _stats
 from ._errors import TransientError
@@ -46,6 +47,12 @@ def store_key(protocol: str, endpoint: str, bucket: str, prefix: str) -> str:
     return f"{protocol}\0{endpoint}\0{bucket}\0{prefix if protocol == 's3' else ''}"
 
 
+class _Waiter(NamedTuple):
+    fut: asyncio.Future[None]
+    began: float  # when its read began (time.monotonic())
+    patience: float  # seconds without an accepted request before its wait ends
+
+
 class Gate:
     """Admission of one engine's requests to one store, in one process, on one event loop.
 
@@ -58,9 +65,11 @@ class Gate:
     def __init__(self, limit: Limit, ceiling: int) -> None:
         self.limit = limit
         self.ceiling = ceiling
-        self._retries: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._fresh: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Waiting requests: (their future, when their read began, their patience in seconds).
+        self._retries: collections.deque[_Waiter] = collections.deque()
+        self._fresh: collections.deque[_Waiter] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None  # the next try to admit waiting requests
+        self._patience: asyncio.TimerHandle | None = None  # the next look for waits whose patience ran out
         self._flush: asyncio.TimerHandle | None = None
         self.inflight = 0  # admitted and not yet finished
         self.window = float(START_WINDOW)  # slow start, until the node's store is started up
@@ -95,23 +104,43 @@ class Gate:
         now = time.monotonic()
         if not self._retries and not self._fresh and self._room() >= 1 and self.limit.open(now):
             return self._go(now)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        (self._retries if retry else self._fresh).append(fut)
-        self._admit_waiting()
         began = now if since is None else since
+        if self.patience_left(began, patience) <= 0.0:
+            raise self.spent(patience)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        (self._retries if retry else self._fresh).append(_Waiter(fut, began, patience))
+        self._admit_waiting()
+        if not fut.done() and self._patience is None:
+            self._arm_patience(patience)
         try:
-            while not fut.done():
-                left = self.patience_left(began, patience)
-                if left <= 0.0:
-                    fut.cancel()
-                    raise self.spent(patience)
-                await asyncio.wait((fut,), timeout=left)
+            await fut  # admitted, or PatienceSpent set by _expire
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.forgo()  # admitted just as it was cancelled
             fut.cancel()
             raise
         return time.monotonic()
+
+    def _arm_patience(self, delay: float) -> None:
+        # One timer per gate, not one per waiting request: a wait with a timeout of its own costs a
+        # timer and callbacks per request, and with a full ceiling every request waits.
+        self._patience = asyncio.get_running_loop().call_later(max(delay, 0.01), self._expire)
+
+    def _expire(self) -> None:
+        """End the waits whose patience ran out (:class:`PatienceSpent`); look again when the next may."""
+        self._patience = None
+        soonest = math.inf
+        for queue in (self._retries, self._fresh):
+            for w in queue:
+                if w.fut.done():
+                    continue
+                left = self.patience_left(w.began, w.patience)
+                if left <= 0.0:
+                    w.fut.set_exception(self.spent(w.patience))
+                else:
+                    soonest = min(soonest, left)
+        if soonest != math.inf:
+            self._arm_patience(soonest)
 
     def _go(self, now: float) -> float:
         self.inflight += 1
@@ -136,14 +165,14 @@ class Gate:
     def _next(self) -> asyncio.Future[None] | None:
         for queue in (self._retries, self._fresh):
             while queue:
-                fut = queue.popleft()
+                fut = queue.popleft().fut
                 if not fut.done():
                     return fut
         return None
 
     def _waiting(self) -> int:
         for queue in (self._retries, self._fresh):
-            while queue and queue[0].done():
+            while queue and queue[0].fut.done():
                 queue.popleft()
         return len(self._retries) + len(self._fresh)
 

@@ -7,6 +7,7 @@ the controller's own clock values passed in, so nothing here depends on the mach
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import stat
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from blobdata import _owners
+from blobdata._admission import PatienceSpent, private_gate
 from blobdata._throttle import (
     _OWNERS0,
     BETA,
@@ -193,3 +195,20 @@ def test_a_private_table_works_alone() -> None:
     a.sent(t)
     assert a.throttled(t, 0.0, t)
     assert not a.open(t) and math.isfinite(allowed(a.table.v, a.base, t))
+
+
+def test_requests_queued_at_a_paused_store_end_when_their_patience_runs_out() -> None:
+    """A store that accepts nothing (paused by its Retry-After here) ends every queued wait with
+    PatienceSpent, the ones behind the first too, within about the patience: none waits for ever."""
+    async def run() -> tuple[list[BaseException | float], float]:
+        gate = private_gate(4)
+        now = time.monotonic()
+        gate.limit.throttled(now, 60.0, now)  # the store says: come back in 60 s
+        began = time.monotonic()
+        waits = [gate.admit(retry=k % 2 == 0, patience=0.3, since=began) for k in range(12)]
+        got = await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), 10.0)
+        return got, time.monotonic() - began
+
+    got, took = asyncio.run(run())
+    assert all(isinstance(g, PatienceSpent) for g in got), got
+    assert took < 5.0  # the patience (0.3 s), not the store's 60 s
