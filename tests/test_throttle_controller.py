@@ -200,6 +200,7 @@ def test_a_private_table_works_alone() -> None:
 def test_requests_queued_at_a_paused_store_end_when_their_patience_runs_out() -> None:
     """A store that accepts nothing (paused by its Retry-After here) ends every queued wait with
     PatienceSpent, the ones behind the first too, within about the patience: none waits for ever."""
+
     async def run() -> tuple[list[BaseException | float], float]:
         gate = private_gate(4)
         now = time.monotonic()
