@@ -152,7 +152,7 @@ def s3fs_find(opts: dict[str, Any], root: str) -> int:
 
 
 def blobdata_list(opts: dict[str, Any], root: str, concurrency: int, *, lean: bool = True) -> int:
-    from blobdata import _listing
+    from blobdata._listing import folders as _listing
 
     lean_s3 = _listing._lean_s3
     if not lean:

@@ -41,7 +41,7 @@ from common import add_repo_to_path, table
 
 add_repo_to_path()
 
-from blobdata._shares import Layout, epoch_orders  # noqa: E402
+from blobdata._sampling import Layout, epoch_orders  # noqa: E402
 
 IMAGENET = 1_281_167
 
@@ -125,7 +125,7 @@ def cost(n: int) -> list[list[str]]:
     from torch.utils.data.distributed import DistributedSampler
 
     from blobdata import PartitionedSampler
-    from blobdata._shares import fixed_order
+    from blobdata._sampling import fixed_order
 
     fixed_order.cache_clear()
     t = time.perf_counter()

@@ -2,7 +2,7 @@
 
 Two measurements, side by side:
 
-1. **Pipeline CPU per sample.** A local folder of synthetic JPEGs (``blobdata._demo.synthetic_dataset``,
+1. **Pipeline CPU per sample.** A local folder of synthetic JPEGs (``blobdata._cli.demo.synthetic_dataset``,
    60-150 KB) read through ``FolderDataset(..., transform=TrainTransform()).dataloader(batch_size=32,
    num_workers=0)``: every stage (fetch from local files, decode, crop, collate, the look-ahead on the
    background loop) runs in one process, so ``time.process_time()`` of that process is the whole cost.
@@ -58,7 +58,7 @@ def _hooks_per_sample(batch: int = 32, loops: int = 20000) -> float:
     """Seconds of counter updates per sample: what __getitems__, _gather, _load, the engine, the
     collate wrapper and the loop's iterator add, replayed with the real functions."""
     sys.path.insert(0, str(REPO))
-    from blobdata import _stats as s
+    from blobdata._metrics import stats as s
 
     pc = time.perf_counter
     per_sample = 1.0 / batch

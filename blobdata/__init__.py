@@ -5,7 +5,12 @@
 >>> loader = ds.dataloader(batch_size=256, shuffle=True, num_workers=8)
 """
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
 from ._cache import BlobCache, CacheStats
+from ._cli import WarmSummary
+from ._cli import warm_cache as warm
 from ._config import FetchOptions
 from ._errors import (
     AccessDenied,
@@ -21,39 +26,32 @@ from ._errors import (
     ObjectChanged,
     Throttled,
 )
+from ._listing import Manifest
 from ._listing import load_or_list as list_folder
-from ._manifest import Manifest
-from ._stats import LoaderStats
-from ._warm import warm_cache as warm
-from ._warm_summary import WarmSummary
+from ._metrics import LoaderStats
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from ._dataset import FolderDataset
-    from ._loader import BlobLoader
-    from ._partition import PartitionedSampler
-    from ._resume import ElasticDistributedSampler
+if _TYPE_CHECKING:
+    from ._dataset import BlobLoader, FolderDataset
+    from ._sampling import ElasticDistributedSampler, PartitionedSampler
+
+
+def _public(obj: _Any) -> _Any:
+    """Name an export by where users find it (``blobdata.X`` in reprs and tracebacks), wherever it lives."""
+    obj.__module__ = __name__
+    return obj
 
 
 def __getattr__(name: str) -> object:
     # FolderDataset, BlobLoader and the samplers need torch (seconds to import); the command line and
     # the cache do not.
-    if name == "FolderDataset":
-        from ._dataset import FolderDataset
+    if name in ("FolderDataset", "BlobLoader"):
+        from . import _dataset
 
-        return FolderDataset
-    if name == "BlobLoader":
-        from ._loader import BlobLoader
+        return _public(getattr(_dataset, name))
+    if name in ("PartitionedSampler", "ElasticDistributedSampler"):
+        from . import _sampling
 
-        return BlobLoader
-    if name == "PartitionedSampler":
-        from ._partition import PartitionedSampler
-
-        return PartitionedSampler
-    if name == "ElasticDistributedSampler":
-        from ._resume import ElasticDistributedSampler
-
-        return ElasticDistributedSampler
+        return _public(getattr(_sampling, name))
     raise AttributeError(f"module 'blobdata' has no attribute {name!r}")
 
 
@@ -86,3 +84,9 @@ __all__ = [
     "list_folder",
     "warm",
 ]
+
+_LAZY = ("BlobLoader", "ElasticDistributedSampler", "FolderDataset", "PartitionedSampler")
+for _name in __all__:
+    if _name != "__version__" and _name not in _LAZY:
+        _public(globals()[_name])
+del _name

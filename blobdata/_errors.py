@@ -179,6 +179,13 @@ class TransientError(Exception):
             self.retry_after = None  # an HTTP date: ignored, the backoff applies
 
 
+class PatienceSpent(TransientError):
+    """A request waited for admission while the store accepted nothing for the whole patience."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("throttle", message)
+
+
 class RangeIgnored(Exception):
     """The store answered a ranged read with the whole object (HTTP 200 to a ``Range`` request;
     internal: the fetch engine then reads the object once, whole, instead of once per part)."""

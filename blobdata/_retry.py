@@ -7,9 +7,9 @@ jitter, raised to the store's Retry-After), so retries never stack with a client
 Two budgets. Failures (5xx, timeouts, resets, short reads) count against ``FetchOptions.attempts``,
 attempts in total (1 means no retry). Throttling (429, 503 SlowDown) is the store asking for a lower
 rate, not a failure: it is retried without counting against ``attempts`` (the node's throttle
-controller, :mod:`blobdata._throttle`, slows down meanwhile), for up to ``FetchOptions.throttle_wait``
+controller, :mod:`blobdata._fetch.throttle`, slows down meanwhile), for up to ``FetchOptions.throttle_wait``
 seconds from the read's first throttled answer. A wait for admission that ends because the store
-accepted nothing of the node's for that long (:class:`~blobdata._admission.PatienceSpent`) is final
+accepted nothing of the node's for that long (:class:`~blobdata._errors.PatienceSpent`) is final
 at once. So a store that only throttles still ends each read with Throttled naming its URL, about
 ``throttle_wait`` seconds after the read began waiting.
 """
@@ -22,9 +22,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from ._admission import PatienceSpent
 from ._config import FetchOptions
-from ._errors import BlobdataError, FetchError, FetchTimeout, Throttled, TransientError, translate
+from ._errors import (
+    BlobdataError,
+    FetchError,
+    FetchTimeout,
+    PatienceSpent,
+    Throttled,
+    TransientError,
+    translate,
+)
 
 __all__ = ["final_error", "give_up", "with_retries"]
 

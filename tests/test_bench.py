@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from blobdata._bench import run_bench
-from blobdata._cli import main
+from blobdata._cli import main, run_bench
 from tests.test_cli import option_args
 
 pytestmark = pytest.mark.timeout(180)
@@ -124,7 +123,7 @@ def test_verdict_latency_bound(s3_bucket: Any, s3_proxy: Any) -> None:
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from blobdata import ConfigError, LoaderStats
-    from blobdata._bench import BenchResult, plot
+    from blobdata._cli import BenchResult, plot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     result = BenchResult({"url": "x"}, 0, 0.0, LoaderStats(), [], "unknown", [])

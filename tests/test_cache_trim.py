@@ -13,7 +13,7 @@ import pytest
 from blobdata import BlobCache
 from blobdata._cache import SLACK_BYTES, Policy
 from blobdata._cli import main
-from blobdata._shares import node_share
+from blobdata._sampling import node_share
 from tests.test_cache import value, value_bytes
 
 PACKED = 40_000  # a value in a pack file

@@ -17,10 +17,11 @@ from urllib.parse import unquote
 import pytest
 
 from blobdata._cache import BlobCache
-from blobdata._cli import main, parse_storage_options
+from blobdata._cli import human_size, main, parse_storage_options, warm
 from blobdata._errors import ConfigError
-from blobdata._manifest import Manifest
-from blobdata._warm import _ByteBudget, human_size
+from blobdata._listing import Manifest
+
+_ByteBudget = warm._ByteBudget
 
 pytestmark = pytest.mark.usefixtures("isolated_cache_home")
 

@@ -25,8 +25,7 @@ from blobdata._errors import (
     NotFound,
     Throttled,
 )
-from blobdata._listing import IMG_EXTENSIONS, identity_from_info, list_folder, load_or_list
-from blobdata._manifest import Manifest
+from blobdata._listing import IMG_EXTENSIONS, Manifest, identity_from_info, list_folder, load_or_list
 from blobdata._retry import final_error
 
 # A tree with everything ImageFolder has an opinion about: nested files, mixed-case extensions,
@@ -587,7 +586,7 @@ class Stateful:
 
 
 def test_filters_are_identified_by_what_they_depend_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    from blobdata._filters import filter_identity
+    from blobdata._listing import filter_identity
 
     ids = {name: filter_identity(fn) for name, fn in {
         "png": only(".png"), "png again": only(".png"), "jpeg": only(".jpeg"),

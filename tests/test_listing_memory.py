@@ -49,7 +49,7 @@ def test_listing_max_age(s3_bucket: Any, isolated_cache_home: Any) -> None:
     assert len(load_or_list(url, storage_options=s3_bucket.storage_options, max_age="1h")) == len(first)
     old = time.time() - 2 * 3600
     # The age is the listing's own time, not the file's: rewrite the manifest as listed 2 h ago.
-    from blobdata._manifest import Manifest
+    from blobdata._listing import Manifest
 
     m = Manifest.load(stored)
     m.listed_at = old

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blobdata._errors import ManifestError, NotFound
-from blobdata._manifest import Manifest, manifest_path
+from blobdata._listing import Manifest, manifest_path
 from blobdata._stores.options import options_token
 
 ROOT = "s3://bucket/imagenet/train"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from blobdata import ConfigError, PartitionedSampler
-from blobdata._shares import Layout, epoch_orders, fixed_order, node_share
+from blobdata._sampling import Layout, epoch_orders, fixed_order, node_share
 
 
 class Sized:

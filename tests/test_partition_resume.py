@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from blobdata import ConfigError, FolderDataset, PartitionedSampler
-from blobdata._shares import Layout, node_share
+from blobdata._sampling import Layout, node_share
 
 
 def _ids(f: Any) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from blobdata import BlobCache
-from blobdata._shares import node_share
+from blobdata._sampling import node_share
 from tests.conftest import S3Proxy
 from tests.support.buckets import TestBucket
 from tests.test_distributed import _env, _finish, _free_port, _logs, _torchrun

@@ -81,11 +81,11 @@ def test_objects_the_cache_writer_could_not_take_are_counted(
 ) -> None:
     import functools
 
-    import blobdata._dataset
+    from blobdata._cache import CacheWriter
 
     # A writer with room for one queued object and a long linger: a batch of 8 offers leaves 7 dropped.
-    writer = functools.partial(blobdata._dataset.CacheWriter, max_bytes=1, linger=30.0)
-    monkeypatch.setattr(blobdata._dataset, "CacheWriter", writer)
+    writer = functools.partial(CacheWriter, max_bytes=1, linger=30.0)
+    monkeypatch.setattr("blobdata._dataset.folder.CacheWriter", writer)
     for i in range(16):
         (tmp_path / "d" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
         (tmp_path / "d" / f"c{i % 2}" / f"{i:03d}.png").write_bytes(_obj(i))
@@ -213,8 +213,7 @@ def test_persistent_workers_accumulate(tmp_path: Path) -> None:
 def test_progress_for_listing_and_manifest_download(
     s3_bucket: Any, s3_proxy: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from blobdata._listing import list_folder
-    from blobdata._manifest import Manifest
+    from blobdata._listing import Manifest, list_folder
 
     s3_bucket.put_many(_objects(9))
     s3_proxy.delay = 0.3  # one way: each request takes 0.6 s, past the bars' 0.5 s delay
@@ -241,7 +240,7 @@ def test_progress_for_listing_and_manifest_download(
 def test_records_of_exited_workers_are_folded(tmp_path: Path) -> None:
     import os
 
-    from blobdata._stats import TimedCollate
+    from blobdata._metrics import TimedCollate
 
     for key, data in _objects(12).items():
         (tmp_path / key).parent.mkdir(parents=True, exist_ok=True)

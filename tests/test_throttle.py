@@ -26,26 +26,16 @@ from typing import Any
 import pytest
 
 from blobdata import FetchOptions, FolderDataset, Throttled
-from blobdata._admission import store_key
-from blobdata._fetch import FetchEngine, endpoint_of
-from blobdata._lookahead import PlanChannel
+from blobdata._fetch import FetchEngine, PlanChannel, endpoint_of, key_id, node_table, store_key, throttle
 from blobdata._loop import run
-from blobdata._throttle import (
-    _HEAD,
-    _OWNERS0,
-    K_FIELDS,
-    K_ID,
-    O_FIELDS,
-    O_KEY,
-    O_PID,
-    OWNERS,
-    STORES,
-    key_id,
-    node_table,
-)
 from blobdata.testing import LatencyProxy, S3Endpoint
 from tests.support import buckets
 from tests.support.throttle_app import as_list, raw
+
+# the shared table's layout, white-box
+_HEAD, _OWNERS0, K_FIELDS, K_ID = throttle._HEAD, throttle._OWNERS0, throttle.K_FIELDS, throttle.K_ID
+O_FIELDS, O_KEY, O_PID = throttle.O_FIELDS, throttle.O_KEY, throttle.O_PID
+OWNERS, STORES = throttle.OWNERS, throttle.STORES
 
 REPO = Path(__file__).resolve().parent.parent
 N, SIZE, RATE = 600, 2000, 150.0
@@ -373,7 +363,7 @@ def test_plan_directories_of_live_loaders_are_kept() -> None:
 
 @pytest.mark.slow
 def test_bench_says_the_store_throttles(store: buckets.TestBucket) -> None:
-    from blobdata._bench import run_bench
+    from blobdata._cli import run_bench
 
     with buckets.through_proxy(store) as (proxy, opts):
         FolderDataset(store.url("train"), extensions=(".bin",), storage_options=opts)  # list before

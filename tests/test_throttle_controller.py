@@ -1,4 +1,4 @@
-"""The node-wide throttle controller alone (:mod:`blobdata._throttle`, :mod:`blobdata._owners`): no server.
+"""The node-wide throttle controller alone (:mod:`blobdata._fetch.throttle`, owners): no server.
 
 Two :class:`Table` objects opened on one file stand for two processes of a node (each has its own
 open file description, so the ``fcntl`` lock separates them as it separates processes). Times are
@@ -18,22 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from blobdata import _owners
-from blobdata._admission import PatienceSpent, private_gate
-from blobdata._throttle import (
-    _OWNERS0,
-    BETA,
-    HOLD_S,
-    K_LIMIT,
-    MIN_RATE,
-    O_FIELDS,
-    O_PID,
-    OWNERS,
-    Limit,
-    Table,
-    allowed,
-    key_id,
-)
+from blobdata._errors import PatienceSpent
+from blobdata._fetch import Limit, Table, key_id, private_gate, throttle
+from blobdata._node import owners as _owners
+
+# the controller's constants and the shared table's layout, white-box
+_OWNERS0, BETA, HOLD_S = throttle._OWNERS0, throttle.BETA, throttle.HOLD_S
+K_LIMIT, MIN_RATE = throttle.K_LIMIT, throttle.MIN_RATE
+O_FIELDS, O_PID, OWNERS, allowed = throttle.O_FIELDS, throttle.O_PID, throttle.OWNERS, throttle.allowed
 
 
 def _limits(tmp_path: Path) -> tuple[Limit, Limit]:
@@ -137,7 +129,7 @@ def _pids(table: Table) -> set[int]:
 def test_a_dead_owner_is_swept_and_a_live_one_kept(tmp_path: Path) -> None:
     path = str(tmp_path / "throttle.bin")
     child = subprocess.Popen(
-        [sys.executable, "-c", f"from blobdata._throttle import *; import sys, time; "
+        [sys.executable, "-c", f"from blobdata._fetch.throttle import *; import sys, time; "
          f"Limit(Table({path!r}), key_id('x')); print('ok', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

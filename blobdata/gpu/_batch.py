@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .. import _stats
 from .._errors import BlobdataError
+from .._metrics import stats as _stats
 from ._decoders import DeviceDecoder, _check_count
 from ._jpeg import cpu_pixels
 

@@ -18,9 +18,9 @@ from typing import NamedTuple
 import numpy as np
 from PIL import Image
 
-from .. import _stats
 from .._decode import decode, default_loader
 from .._errors import DecodeError
+from .._metrics import stats as _stats
 
 __all__ = ["Header", "check_pixels", "cpu_pixels", "prepare", "read_header"]
 

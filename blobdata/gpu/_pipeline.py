@@ -47,8 +47,8 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from .. import _stats
 from .._errors import BlobdataError
+from .._metrics import stats as _stats
 from . import _decoders, check_device
 from ._batch import CPU, GPU, PIXELS, decode_views
 from ._jpeg import read_header

@@ -1,0 +1,228 @@
+"""The loader :meth:`FolderDataset.dataloader` returns: a ``torch.utils.data.DataLoader`` whose order
+blobdata sees, so every process can fetch ahead of the batches it will be given.
+
+It is a subclass, built from DataLoader's own arguments, so it is used exactly like one, and tools
+that re-instantiate a loader from its constructor's arguments or its attributes (Lightning's
+``_update_dataloader``, to put in a ``DistributedSampler`` or, for ``predict``, a batch sampler that
+records indices) get a working BlobLoader back. The sampler and batch sampler are made as DataLoader
+makes them and are what ``sampler`` and ``batch_sampler`` show; blobdata only wraps the batch sampler
+it *iterates* (:class:`~blobdata._fetch.lookahead.PlanningBatchSampler`, DataLoader's ``_index_sampler``) to
+publish each epoch's batches, which draws nothing from any generator. ``batch_size``, ``sampler``,
+``batch_sampler``, ``drop_last`` and ``len()`` report what was asked for; ``len()`` stays the whole
+epoch's batch count after ``load_state_dict`` (as torchdata's ``StatefulDataLoader``), while the resumed
+epoch yields only the batches not yet yielded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch.utils.data
+
+from .._errors import ConfigError
+from .._fetch import PlanChannel, PlanningBatchSampler
+from .._metrics import LoaderStats, LoopClock, Records, SkipLog, TimedCollate, TimedIter
+from .._sampling import Progress, own_generator
+from ..gpu._pipeline import DevicePipeline, collate_raw
+
+__all__ = ["BlobLoader"]
+
+
+class BlobLoader(torch.utils.data.DataLoader[Any]):
+    """``torch.utils.data.DataLoader`` over a :class:`~blobdata.FolderDataset`, with look-ahead.
+
+    Takes DataLoader's arguments with DataLoader's meaning and defaults. With the same arguments
+    and the same seeded ``generator`` it yields exactly the batches a plain ``DataLoader`` yields.
+    ``batch_size=None`` (no batching) is not supported: the look-ahead works per batch.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: torch.utils.data.Sampler[int] | Iterable[int] | None = None,
+        batch_sampler: torch.utils.data.Sampler[list[int]] | Iterable[list[int]] | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        device: str | torch.device | None = None,
+        gpu_transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+    ) -> None:
+        self.device_pipeline: DevicePipeline | None = None
+        self.device = device
+        self.gpu_transform = gpu_transform
+        if device is not None or gpu_transform is not None:
+            if device is None or gpu_transform is None:
+                raise ConfigError(
+                    "device= and gpu_transform= go together: the workers fetch bytes, and on the device "
+                    "each batch is decoded, then gpu_transform (e.g. blobdata.gpu.TrainTransform(224)) "
+                    "makes it one tensor"
+                )
+            if collate_fn is not None and getattr(collate_fn, "fn", collate_fn) is not collate_raw:
+                raise ConfigError("with device=, batches are made by gpu_transform: collate_fn= is not used")
+            raw_view = getattr(dataset, "_raw_view", None)
+            if raw_view is None:
+                raise ConfigError(f"device= needs a blobdata FolderDataset, got {type(dataset).__name__}")
+            self.device_pipeline = DevicePipeline(
+                gpu_transform, device, on_error=dataset.on_error, report=dataset._report, generator=generator
+            )
+            dataset = raw_view()
+            collate_fn = collate_raw
+        if isinstance(worker_init_fn, _WorkerInit):  # rebuilt from a BlobLoader's attributes
+            worker_init_fn = worker_init_fn.user
+        attach = getattr(dataset, "_attach", None)
+        if attach is None:
+            raise ConfigError(f"BlobLoader reads a blobdata FolderDataset, got {type(dataset).__name__}")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ConfigError(
+                    "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and "
+                    "drop_last (as in DataLoader)"
+                )
+            batches: Any = batch_sampler
+            batch_size = getattr(batch_sampler, "batch_size", None)
+            drop_last = bool(getattr(batch_sampler, "drop_last", False))
+            sampler = getattr(batch_sampler, "sampler", None)
+        else:
+            if batch_size is None:
+                raise ConfigError(
+                    "batch_size=None (no automatic batching) is not supported by blobdata's loader"
+                )
+            if sampler is not None and shuffle:
+                raise ConfigError("sampler option is mutually exclusive with shuffle (as in DataLoader)")
+            if sampler is None:
+                sampler = (
+                    torch.utils.data.RandomSampler(
+                        dataset, generator=generator if generator is not None else own_generator()
+                    )
+                    if shuffle
+                    else torch.utils.data.SequentialSampler(dataset)
+                )
+            batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
+        self.channel = PlanChannel()
+        attach(self.channel)
+        self.progress = Progress(sampler, batch_size)
+        # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
+        # is what tools that rebuild a loader know how to re-make with another sampler.
+        self._planner = PlanningBatchSampler(batches, self.channel, self.progress)
+        super().__init__(
+            dataset,
+            batch_sampler=batches,
+            num_workers=num_workers,
+            collate_fn=TimedCollate(collate_fn or torch.utils.data.default_collate),
+            pin_memory=pin_memory,
+            timeout=timeout,
+            worker_init_fn=_WorkerInit(self.channel, worker_init_fn),
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        # What was asked for (DataLoader stores None and a SequentialSampler when given a batch
+        # sampler); DataLoader forbids setting these after __init__, hence object.__setattr__.
+        object.__setattr__(self, "batch_size", batch_size)
+        object.__setattr__(self, "sampler", sampler)
+        object.__setattr__(self, "drop_last", drop_last)
+        self.user_worker_init_fn = worker_init_fn
+        self._clock = LoopClock()
+        self._records = Records(self.channel.path)
+        self._skips = SkipLog(self.channel.path)
+
+    @property
+    def _index_sampler(self) -> Any:
+        # DataLoader's own property returns `batch_sampler`; the planner wraps it.
+        return self._planner
+
+    def __iter__(self) -> Any:
+        """DataLoader's iterator, counted (for :meth:`state_dict`) and timed: the seconds the loop
+        waits for batches count in :meth:`stats`, and each epoch's end logs a summary on the
+        ``blobdata`` logger (INFO)."""
+        if self.num_workers == 0:  # the dataset may serve several loaders: this one's plan now
+            attach = getattr(self.dataset, "_attach", None)
+            if attach is not None:
+                attach(self.channel)
+        # Before DataLoader's iterator draws its base seed from `generator` (which may be the
+        # sampler's): a state taken before the first batch then replays this epoch.
+        self.progress.at_iter()
+        dataloader_iter = super().__iter__
+        pipeline = self.device_pipeline
+        if pipeline is None:
+            plain = lambda: self._collect_skips(self.progress.track(dataloader_iter()))  # noqa: E731
+            return TimedIter(plain, self._clock, self._records)
+        # Counted as the loop receives them (the pipeline works ahead); a batch whose every sample
+        # was skipped counts but is not yielded, so that the sampler's position stays exact.
+
+        def device_batches() -> Iterator[Any]:
+            pipeline.stop_previous()  # before dataloader_iter() resets persistent workers' iterator
+            batches = pipeline(dataloader_iter(), self.progress)  # the epoch numbers its augmentation
+            return _present(self._collect_skips(self.progress.track(batches)))
+
+        return TimedIter(device_batches, self._clock, self._records)
+
+    def _collect_skips(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Workers' ``on_error="skip"`` reports join ``dataset.errors`` here, batch by batch."""
+        errors = getattr(self.dataset, "errors", None)
+        for batch in batches:
+            if self.num_workers and errors is not None:
+                errors.extend(self._skips.drain())
+            yield batch
+        if self.num_workers and errors is not None:
+            errors.extend(self._skips.drain())
+
+    def stats(self) -> LoaderStats:
+        """What this loader did so far, summed over the training process and its workers (a
+        :class:`~blobdata.LoaderStats`; ``.as_dict()`` for a metrics logger)."""
+        c = self._clock
+        totals = self._records.total()
+        return LoaderStats.from_totals(
+            totals, loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands (JSON-friendly, versioned): epoch, batches yielded in it, and the
+        sampler's seed or generator state at the epoch's start. See :mod:`blobdata._sampling.resume`."""
+        if not getattr(self, "in_order", True) and self.num_workers > 0:
+            raise ConfigError(
+                "state_dict() needs in_order=True: out of order, the batches yielded are not a prefix"
+            )
+        return self.progress.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next epoch this loader begins resume ``state``'s: same order, minus the batches
+        already yielded (which are not fetched again). At another world size the sampler must be an
+        :class:`~blobdata.ElasticDistributedSampler`."""
+        self.progress.load_state_dict(state)
+
+
+def _present(batches: Iterator[Any]) -> Iterator[Any]:
+    return (batch for batch in batches if batch is not None)
+
+
+class _WorkerInit:
+    """Points the worker's dataset copy at its loader's plan channel, then runs the user's init."""
+
+    def __init__(self, channel: PlanChannel, user: Callable[[int], None] | None) -> None:
+        self.channel = channel
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        info = torch.utils.data.get_worker_info()
+        attach = getattr(info.dataset, "_attach", None) if info is not None else None
+        if attach is not None:
+            attach(self.channel)
+        if self.user is not None:
+            self.user(worker_id)

@@ -1,0 +1,138 @@
+"""Decoding: bytes of one object to a sample, in the DataLoader worker that fetched them.
+
+The default loader decodes with Pillow to RGB straight from memory (no temporary file), accepts only
+the image formats ImageFolder's extensions name (no EPS/PDF/other plugins reached through Pillow's
+content sniffing), and treats Pillow's decompression-bomb guard as an error rather than a warning.
+A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` that is also the object's
+path), so loaders written for file objects (``PIL.Image.open``) and for paths (``cv2.imread(str(p))``,
+``open(p)``) both work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from .._errors import DecodeError
+
+__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader"]
+
+# Pillow format names for ImageFolder's extensions (.jpg .jpeg .png .ppm .pgm .bmp .tif .tiff .webp).
+IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
+
+
+class ObjectFile(io.BytesIO):
+    """The fetched bytes of one object as a binary file; ``url`` is the object URL, ``name`` its path
+    for a local folder (as in ``samples``) and its URL for a bucket.
+
+    It is also a path, as ImageFolder's loaders expect: ``os.fspath(f)``, ``str(f)`` and ``open(f)``
+    give the file itself for a local folder, and for a bucket a private temporary copy of the bytes
+    (mode 0600, same file suffix as the object), removed when the loader returns; ``str``'s methods
+    (``f.lower()``, ``f.endswith(".png")``) act on that path. Loaders that read the file object pay
+    nothing for it.
+    """
+
+    def __init__(self, data: bytes, url: str, path: str | None = None) -> None:
+        super().__init__(data)
+        self.name = path if path is not None else url
+        self.url = url
+        self._local = path  # the object's own file (local folders): never removed
+        self._path: str | None = None
+
+    def __str__(self) -> str:
+        return self.__fspath__()
+
+    def __getattr__(self, name: str) -> Any:
+        # str's methods (lower, endswith, split, ...) on the path, for loaders written for str paths.
+        if name in _STR_ONLY:
+            return getattr(self.__fspath__(), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __add__(self, other: str) -> str:
+        return self.__fspath__() + other
+
+    def __radd__(self, other: str) -> str:
+        return other + self.__fspath__()
+
+    def __fspath__(self) -> str:
+        if self._local is not None:
+            return self._local
+        if self._path is None:
+            suffix = os.path.splitext(self.url.rsplit("/", 1)[-1])[1][:16]
+            fd, path = tempfile.mkstemp(prefix="blobdata-", suffix=suffix, dir=_tmp_dir())
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(self.getbuffer())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+            self._path = path
+        return self._path
+
+    def discard(self) -> None:
+        """Remove the temporary copy, if one was made."""
+        path, self._path = self._path, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+_STR_ONLY = frozenset(n for n in dir(str) if not n.startswith("_")) - frozenset(dir(io.BytesIO))
+
+
+def _tmp_dir() -> str | None:
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def default_loader(file: ObjectFile) -> Image.Image:
+    """Decode an image object to an RGB ``PIL.Image`` (formats limited to :data:`IMAGE_FORMATS`)."""
+    with warnings.catch_warnings():
+        # Pillow warns between 1x and 2x MAX_IMAGE_PIXELS and raises above: both are refusals here.
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(file, formats=IMAGE_FORMATS) as img:
+            img.load()
+            rgb: Image.Image = img.convert("RGB")
+            return rgb
+
+
+def decode_with(transform: Any, data: bytes, url: str) -> Any:
+    """Run a decode-aware transform on the bytes of ``url``; a failure is a DecodeError naming it."""
+    return decode(data, url, lambda _file: transform.decode_and_apply(data, url))
+
+
+def decode(data: bytes, url: str, loader: Callable[[Any], Any], *, path: str | None = None) -> Any:
+    """Run ``loader`` on the bytes of ``url`` (whose local file is ``path``, for a local folder); any
+    failure becomes a :class:`DecodeError` naming the URL."""
+    file = ObjectFile(data, url, path)
+    try:
+        return loader(file)
+    except DecodeError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DecodeError(
+            f"refused to decode {url}: the image is larger than PIL.Image.MAX_IMAGE_PIXELS "
+            f"({Image.MAX_IMAGE_PIXELS} pixels), a possible decompression bomb ({exc}); raise "
+            "PIL.Image.MAX_IMAGE_PIXELS if the image is genuine",
+            url=url,
+        ) from exc
+    except UnidentifiedImageError as exc:
+        raise DecodeError(
+            f"cannot decode {url} ({len(data)} bytes): not an image in one of the formats "
+            f"{', '.join(IMAGE_FORMATS)}",
+            url=url,
+        ) from exc
+    except Exception as exc:
+        raise DecodeError(
+            f"cannot decode {url} ({len(data)} bytes): {type(exc).__name__}: {exc}", url=url
+        ) from exc
+    finally:
+        file.discard()

@@ -1,0 +1,39 @@
+"""How a node asks a store for bytes: the engine, admission at the rate the store accepts, the node's
+throttle controller, and the look-ahead that fetches before a worker asks.
+
+=================  ==========================================================================
+module             its one job
+=================  ==========================================================================
+``engine``         :class:`FetchEngine`: URLs in, bytes out, bounded concurrency, pinned ranges
+``admission``      one process's gate to a store: slow start, the node's tokens, retries first
+``throttle``       the node-wide controller: one request rate per store (AIMD) in ``/dev/shm``
+``lookahead``      the epoch's order published to workers; bytes fetched before they are asked
+=================  ==========================================================================
+
+The one retry budget (:mod:`blobdata._retry`) is plumbing at the top: stores and listings use it too.
+"""
+
+from __future__ import annotations
+
+from . import throttle
+from .admission import Gate, gate_for, private_gate, store_key
+from .engine import FetchEngine, endpoint_of
+from .lookahead import LookAhead, PlanChannel, PlanningBatchSampler
+from .throttle import Limit, Table, key_id, node_table
+
+__all__ = [
+    "FetchEngine",
+    "Gate",
+    "Limit",
+    "LookAhead",
+    "PlanChannel",
+    "PlanningBatchSampler",
+    "Table",
+    "endpoint_of",
+    "gate_for",
+    "key_id",
+    "node_table",
+    "private_gate",
+    "store_key",
+    "throttle",
+]

@@ -1,0 +1,332 @@
+"""Look-ahead: fetch the samples that come next in the sampler's order, before they are asked for.
+
+An epoch's order is known as soon as the sampler is iterated. :class:`PlanningBatchSampler` wraps the
+DataLoader's batch sampler, materialises each epoch's batches and publishes them as a *plan* in a small
+shared directory (``/dev/shm`` when available). Each process that serves batches (a DataLoader worker,
+or the main process with ``num_workers=0``) reads the plan, finds the batch it was just given, and
+stages the batches it will be given next: the DataLoader hands batch ``k`` to worker ``k % W``, so
+worker ``w`` stages batches ``k+W, k+2W, ...`` up to a depth in samples and in bytes (reached over
+the epoch's first batches: two batches ahead, then doubling). Staged bytes live
+in a bounded in-memory :class:`Stager` and are dropped once consumed. If the plan does not match (a
+sampler blobdata did not see), nothing is staged and batches are still fetched all at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+import weakref
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _process
+from .._node import owners as _owners
+
+__all__ = ["LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels"]
+
+
+class Plan:
+    """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``."""
+
+    def __init__(self, seq: int, flat: np.ndarray, offsets: np.ndarray) -> None:
+        self.seq = seq
+        self.flat = flat
+        self.offsets = offsets
+        self._pos: np.ndarray | None = None
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.offsets) - 1
+
+    def locate(self, indices: Sequence[int]) -> int | None:
+        """The batch number whose indices are exactly ``indices``, or None."""
+        if not len(indices) or not len(self.flat):
+            return None
+        if self._pos is None:
+            size = int(self.flat.max()) + 1
+            pos = np.full(size, -1, dtype=np.int64)
+            # Repeated indices (samplers with replacement) keep their first position.
+            pos[self.flat[::-1]] = np.arange(len(self.flat) - 1, -1, -1, dtype=np.int64)
+            self._pos = pos
+        first = int(indices[0])
+        if first < 0 or first >= len(self._pos) or self._pos[first] < 0:
+            return None
+        k = int(np.searchsorted(self.offsets, self._pos[first], side="right")) - 1
+        for cand in (k, k + 1):  # a repeated index may sit at the end of an earlier batch
+            if 0 <= cand < self.num_batches:
+                batch = self.flat[self.offsets[cand] : self.offsets[cand + 1]]
+                if len(batch) == len(indices) and np.array_equal(batch, np.asarray(indices, dtype=np.int64)):
+                    return cand
+        return None
+
+    def batch(self, k: int) -> np.ndarray:
+        return self.flat[self.offsets[k] : self.offsets[k + 1]]
+
+
+def _remove_if_owner(path: str, pid: int) -> None:
+    # Forked workers inherit the finalizer; only the creating process may remove the directory.
+    if _process.pid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _shm_root() -> str:
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+_PLAN_PREFIX = "blobdata-plan-"
+
+
+def sweep_dead_channels(root: str | None = None) -> list[str]:
+    """Remove the plan directories (``blobdata-plan-<pid>-*``, this user's) whose loader process is
+    gone: one killed by SIGKILL (the OOM killer, a preempted node) could not remove its own, and
+    ``/dev/shm`` is memory. A pid now held by a process that started after the directory was last
+    written is another process: its owner is gone too. Returns the paths removed."""
+    root = root or _shm_root()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_PLAN_PREFIX)]
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for name in names:
+        pid_text = name[len(_PLAN_PREFIX) :].partition("-")[0]
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not pid_text.isdigit() or st.st_uid != uid or int(pid_text) == _process.pid():
+            continue
+        if not _owners.alive(int(pid_text), since=st.st_mtime) and _owners.remove_owned_tree(path):
+            removed.append(path)
+    return removed
+
+
+class PlanChannel:
+    """A private directory through which the main process publishes plans to worker processes.
+
+    Pickles as its path, so fork, spawn and forkserver workers (persistent or not) all see each new
+    epoch's plan. The directory (mode 0700) is removed when the publishing object is collected or the
+    interpreter exits; those of loaders that died without removing theirs are swept when a new
+    channel is made (:func:`sweep_dead_channels`).
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self._owner = path is None
+        if path is None:
+            root = _shm_root()
+            sweep_dead_channels(root)
+            path = tempfile.mkdtemp(prefix=f"{_PLAN_PREFIX}{_process.pid()}-", dir=root)
+            os.chmod(path, 0o700)
+            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid())
+        self.path = path
+        self._seq = 0
+        self._cached: Plan | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PlanChannel, (self.path,))
+
+    def publish(self, batches: Sequence[Sequence[int]]) -> Plan:
+        """Write one epoch's plan atomically; workers pick it up on their next batch."""
+        lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+        offsets = np.zeros(len(batches) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
+        self._seq += 1
+        seq = self._seq
+        blob = np.concatenate([np.array([seq, len(batches)], dtype=np.int64), offsets, flat])
+        target = os.path.join(self.path, "plan.npy")
+        tmp = os.path.join(self.path, f".plan-{seq}-{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as fh:
+            np.save(fh, blob, allow_pickle=False)
+        os.replace(tmp, target)
+        plan = Plan(seq, flat, offsets)
+        self._cached = plan
+        return plan
+
+    def current(self, *, reload: bool = False) -> Plan | None:
+        """The latest plan (cached in this process until ``reload``); None if none was published."""
+        if self._cached is not None and not reload:
+            return self._cached
+        try:
+            with open(os.path.join(self.path, "plan.npy"), "rb") as fh:
+                blob = np.load(fh, allow_pickle=False)
+        except (OSError, ValueError):
+            return self._cached
+        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 3:
+            return self._cached
+        seq, nb = int(blob[0]), int(blob[1])
+        offsets = blob[2 : nb + 3]
+        flat = blob[nb + 3 :]
+        if len(offsets) != nb + 1 or int(offsets[-1]) != len(flat):
+            return self._cached
+        if self._cached is None or self._cached.seq != seq:
+            self._cached = Plan(seq, flat, offsets)
+        return self._cached
+
+
+class PlanningBatchSampler:
+    """Wraps a batch sampler; each ``iter()`` publishes the epoch's batches before yielding them.
+
+    The order is exactly the wrapped sampler's (``RandomSampler`` with a generator, a seeded sampler,
+    ``DistributedSampler`` after ``set_epoch``): this only observes it.
+    """
+
+    def __init__(self, batch_sampler: Any, channel: PlanChannel, progress: Any = None) -> None:
+        self.batch_sampler = batch_sampler
+        self.channel = channel
+        self.progress = progress  # a resumed epoch drops its first batches before they are planned
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
+        # DataLoader (which draws its worker base seed from the generator between iter() and
+        # next()), so a seeded generator gives exactly the plain DataLoader's order.
+        skip = self.progress.begin() if self.progress is not None else 0
+        batches = [list(b) for b in self.batch_sampler][skip:]
+        self.channel.publish(batches)
+        yield from batches
+
+    def __len__(self) -> int:
+        # The whole epoch's count, also while an elastic sampler leaves out a resumed epoch's start.
+        extra = self.progress.resumed_batches() if self.progress is not None else 0
+        return len(self.batch_sampler) + extra
+
+    def __getattr__(self, name: str) -> Any:
+        # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.
+        if name in ("batch_sampler", "channel", "progress"):
+            raise AttributeError(name)
+        return getattr(self.batch_sampler, name)
+
+
+def _consume(task: asyncio.Task[bytes]) -> None:
+    # A dropped look-ahead fetch may have failed; its error matters only if the sample is asked for.
+    if not task.cancelled():
+        task.exception()
+
+
+class Stager:
+    """Bounded staging area of fetched-ahead bytes in one process, keyed by sample index.
+
+    ``max_items`` and ``max_bytes`` bound what is staged or in flight (bytes counted by the listed
+    object sizes). Runs on the process's blobdata event loop; ``take`` is called from the loop too.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int], Coroutine[Any, Any, bytes]],
+        size_of: Callable[[int], int],
+        *,
+        max_items: int,
+        max_bytes: int,
+    ) -> None:
+        self._fetch = fetch
+        self._size_of = size_of
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._tasks: dict[int, asyncio.Task[bytes]] = {}
+        self._bytes = 0
+        self.peak_items = 0
+        self.peak_bytes = 0
+
+    @property
+    def staged_bytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def schedule(self, indices: Sequence[int]) -> int:
+        """Start fetching ``indices`` in order until a bound is reached; returns how many were started."""
+        started = 0
+        for raw in indices:
+            i = int(raw)
+            if i in self._tasks:
+                continue
+            size = self._size_of(i)
+            if len(self._tasks) >= self.max_items or (self._tasks and self._bytes + size > self.max_bytes):
+                break
+            self._tasks[i] = asyncio.ensure_future(self._fetch(i))
+            self._bytes += size
+            started += 1
+        self.peak_items = max(self.peak_items, len(self._tasks))
+        self.peak_bytes = max(self.peak_bytes, self._bytes)
+        return started
+
+    def pop(self, index: int) -> asyncio.Task[bytes] | None:
+        """Remove and return the staged fetch of ``index`` (None if not staged)."""
+        task = self._tasks.pop(index, None)
+        if task is not None:
+            self._bytes -= self._size_of(index)
+        return task
+
+    def clear(self) -> None:
+        """Drop everything staged or in flight (a new epoch made it useless)."""
+        tasks, self._tasks, self._bytes = self._tasks, {}, 0
+        for task in tasks.values():
+            task.cancel()
+            task.add_done_callback(_consume)
+
+
+class LookAhead:
+    """One process's look-ahead: its :class:`Stager` and where the current epoch's ramp stands.
+
+    After each batch it is given, the process calls :meth:`advance` with the batch's indices; the
+    look-ahead finds that batch in the loader's plan and stages this process's next batches (every
+    ``stride``-th batch: the DataLoader deals batches round-robin to its workers). Each epoch starts
+    two batches ahead and doubles per batch up to ``max_items`` samples, so that the first batch does
+    not wait behind a burst of requests.
+    """
+
+    def __init__(
+        self,
+        fetch: Callable[[int], Coroutine[Any, Any, bytes]],
+        size_of: Callable[[int], int],
+        *,
+        max_items: int,
+        max_bytes: int,
+    ) -> None:
+        self.stager = Stager(fetch, size_of, max_items=max_items, max_bytes=max_bytes)
+        self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
+        self._ramp = 0  # batches served this epoch, up to where the depth is full
+
+    def take(self, index: int) -> asyncio.Task[bytes] | None:
+        """The staged fetch of ``index`` (removed from the staging area), or None."""
+        return self.stager.pop(index)
+
+    def advance(self, channel: PlanChannel, indices: Sequence[int], stride: int) -> None:
+        """Stage what this process will be given after the batch ``indices`` (call on the loop)."""
+        plan = channel.current()
+        k = plan.locate(indices) if plan is not None else None
+        if plan is None or k is None:
+            plan = channel.current(reload=True)
+            k = plan.locate(indices) if plan is not None else None
+            if plan is None or k is None:
+                return  # a sampler blobdata did not see: batches are still fetched all at once
+        stager = self.stager
+        if self._plan_key != (channel.path, plan.seq):
+            # A new epoch, or a new loader (whose channel numbers its plans from 1 again): what was
+            # staged for the old order is useless.
+            stager.clear()
+            self._plan_key = (channel.path, plan.seq)
+            self._ramp = 0
+        depth = min(stager.max_items, max(len(indices), 1) << (self._ramp + 1))
+        if depth < stager.max_items:
+            self._ramp += 1
+        ahead: list[int] = []
+        nxt = k + stride
+        while nxt < plan.num_batches and len(ahead) < depth:
+            ahead.extend(plan.batch(nxt).tolist())
+            nxt += stride
+        stager.schedule(ahead)
+
+    def clear(self) -> None:
+        """Drop everything staged (call on the loop)."""
+        self.stager.clear()

@@ -1,0 +1,191 @@
+"""Many processes, one job: where this process stands, and one listing shared by every rank.
+
+Where this process stands (:func:`dist_info`) comes from ``torch.distributed`` when a process group is
+initialised, else from the variables ``torchrun`` sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``), read in :mod:`blobdata._config`'s one place.
+
+Listing once per job (:func:`shared_manifest`): global rank 0 lists the bucket (or loads the
+remembered or given manifest) and every other rank receives the very bytes rank 0 produced, so every
+rank has an identical sample table even if the bucket changes meanwhile.
+
+- With an initialised process group, the manifest's bytes are broadcast as a ``uint8`` tensor (its
+  length first), never pickled. Every rank must construct the dataset (a collective call); a dataset
+  made on one rank only takes ``share_listing=False``.
+- Without one (``torchrun`` set ``WORLD_SIZE`` but ``init_process_group`` has not run yet), rank 0
+  writes the manifest atomically to a file named after the job (``TORCHELASTIC_RUN_ID``, the master's
+  address and port, the restart count) and the URL, under ``BLOBDATA_SHARED_DIR`` (default: the
+  cache home), and the others wait for it (``BLOBDATA_SHARED_TIMEOUT`` seconds, default 600). With
+  several nodes that directory must be shared by them; otherwise initialise the process group first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .._config import cache_home, env, parse_duration
+from .._errors import ConfigError, ManifestError, NotFound
+from .manifest import Manifest
+
+__all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"]
+
+_POLL_SECONDS = 0.05
+#: Hand-over files older than this are removed by the next job's rank 0 (seconds).
+_KEEP_SECONDS = 24 * 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class DistInfo:
+    """This process's place in the job: global rank and world size, rank on its node, the node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    initialized: bool = False  # a torch.distributed process group is initialised
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = env(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def env_info() -> DistInfo:
+    """Rank and world size from torchrun's variables alone (no torch import)."""
+    return _info(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), False)
+
+
+def dist_info() -> DistInfo:
+    """Rank and world size from ``torch.distributed`` when initialised, else from torchrun's variables."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _info(dist.get_rank(), dist.get_world_size(), True)
+    return env_info()
+
+
+def _info(rank: int, world: int, initialized: bool) -> DistInfo:
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1 if world == 1 else world)
+    local_rank = _env_int("LOCAL_RANK", rank % max(1, local_world))
+    node = _env_int("GROUP_RANK", rank // max(1, local_world))
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is not in 0..{world - 1} (WORLD_SIZE={world})")
+    return DistInfo(rank, world, local_rank, local_world, node, initialized)
+
+
+def shared_manifest(root: str, make: Callable[[], Manifest], *, key: str = "") -> Manifest:
+    """``make()`` on global rank 0; every other rank gets rank 0's manifest (see the module docstring).
+
+    ``key`` names what is listed beyond the URL (listing parameters), for the shared file's name.
+    """
+    info = dist_info()
+    if info.world_size == 1:
+        return make()
+    if info.initialized:
+        return _broadcast(root, make, info)
+    return _via_file(root, make, info, key)
+
+
+def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo) -> Manifest:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # NCCL moves only GPU tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+    length = torch.zeros(1, dtype=torch.int64, device=device)
+    if info.rank == 0:
+        error: Exception | None = None
+        try:
+            manifest = make()
+            payload = manifest.to_bytes()
+            length[0] = len(payload)
+        except Exception as exc:
+            # The others must not wait for bytes that will never come: they get the error's text.
+            error = exc
+            payload = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+            length[0] = -len(payload)
+        dist.broadcast(length, src=0)
+        dist.broadcast(torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()).to(device), src=0)
+        if error is not None:
+            raise error
+        return manifest
+    dist.broadcast(length, src=0)
+    n = int(length.item())
+    buf = torch.empty(abs(n), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0)
+    data = buf.cpu().numpy().tobytes()
+    if n < 0:
+        raise ManifestError(f"rank 0 could not list {root}: {data.decode('utf-8', 'replace')}", url=root)
+    return Manifest.from_bytes(data, source=f"{root} (from rank 0)")
+
+
+def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
+    """The file through which rank 0 hands this job's listing of ``root`` to the others."""
+    names = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
+    job = "|".join(env(n) or "" for n in names)
+    if nnodes == 1:  # one node: its launcher's pid tells this run from an earlier one with the same names
+        job += f"|{os.getppid()}"
+    h = hashlib.sha256(f"{job}\0{root}\0{key}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    base = env("BLOBDATA_SHARED_DIR")
+    return (Path(base).expanduser() if base else cache_home() / "jobs") / f"{h}.manifest"
+
+
+def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str) -> Manifest:
+    path = shared_file(root, key, info.nnodes)
+    failed = path.with_suffix(".error")
+    if info.rank == 0:
+        failed.unlink(missing_ok=True)  # an earlier run's
+        try:
+            manifest = make()
+        except Exception as exc:
+            failed.parent.mkdir(parents=True, exist_ok=True)
+            failed.write_text(f"{type(exc).__name__}: {exc}", encoding="utf-8")
+            raise
+        manifest.save(path)  # atomic: the others never see half a file
+        _forget_old(path.parent)
+        return manifest
+    timeout = parse_duration(env("BLOBDATA_SHARED_TIMEOUT") or 600, name="BLOBDATA_SHARED_TIMEOUT")
+    deadline = time.monotonic() + timeout
+    while True:
+        if failed.exists():
+            text = failed.read_text(encoding="utf-8", errors="replace")
+            raise ManifestError(f"rank 0 could not list {root}: {text}", url=root)
+        try:
+            return Manifest.load(path, expect_root=root)
+        except NotFound:
+            pass
+        if time.monotonic() > deadline:
+            raise ManifestError(
+                f"rank {info.rank} waited {timeout:.0f}s for rank 0's listing of {root} in {path}: "
+                "initialise the process group before making the dataset, or set BLOBDATA_SHARED_DIR "
+                "to a directory every node shares, or pass manifest=",
+                url=root,
+            )
+        time.sleep(_POLL_SECONDS)
+
+
+def _forget_old(directory: Path) -> None:
+    """Remove earlier jobs' hand-over files (each a full manifest) that no job can still be reading."""
+    cutoff = time.time() - _KEEP_SECONDS
+    for old in directory.glob("*.manifest"):
+        try:
+            if old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass  # another rank 0 removed it first

@@ -1,0 +1,497 @@
+"""The manifest: a compact, remembered table of the samples of one dataset folder.
+
+A listing of 1.3M objects is kept as a handful of numpy arrays (never one Python object per
+sample), so that DataLoader workers forked from the main process share its pages instead of
+copying them as reference counts are touched. The on-disk form is a small binary layout, read
+without pickle:
+
+====================  =====================================================================
+bytes 0-7             magic ``b"BLOBMANI"``
+bytes 8-11            format version, uint32 little endian
+bytes 12-19           header length in bytes, uint64 little endian
+bytes 20-23           CRC-32 of every byte after the preamble (header, padding, arrays)
+header                UTF-8 JSON: root, classes, count, listed_at, skipped, params, and the
+                      offset/length/dtype of each array
+arrays                ``keys`` (uint8), ``key_offsets`` (int64, n+1), ``sizes`` (int64),
+                      ``targets`` (int32), ``ids`` (uint8), ``id_offsets`` (int64, n+1),
+                      each at a 64-byte aligned offset from the start of the file
+====================  =====================================================================
+
+Keys are stored as the UTF-8 bytes of the key relative to the root (``surrogatepass``, so any
+``str`` round-trips, including the surrogate-escaped names os.walk yields for undecodable bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import tempfile
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._config import cache_home
+from .._errors import ManifestError, NotFound
+from .._url import parse_url
+
+__all__ = ["FORMAT_VERSION", "Manifest", "manifest_path"]
+
+FORMAT_VERSION = 1
+_MAGIC = b"BLOBMANI"
+_PREAMBLE = struct.Struct("<8sIQI")
+_ALIGN = 64
+_ENC = "utf-8"
+_ERRORS = "surrogatepass"
+# name -> dtype; the order is the order on disk.
+_ARRAYS: dict[str, str] = {
+    "keys": "uint8",
+    "key_offsets": "<i8",
+    "sizes": "<i8",
+    "targets": "<i4",
+    "ids": "uint8",
+    "id_offsets": "<i8",
+}
+
+
+def _join(strings: Sequence[str]) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]:
+    """Encode strings into one uint8 buffer and n+1 int64 offsets."""
+    encoded = [s.encode(_ENC, _ERRORS) for s in strings]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    if encoded:
+        np.cumsum(np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
+    buf = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+    return buf, offsets
+
+
+def _u8(data: npt.ArrayLike | bytes) -> npt.NDArray[np.uint8]:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=np.uint8)
+    return np.ascontiguousarray(data, dtype=np.uint8)
+
+
+class Manifest:
+    """The samples of one dataset folder, in ImageFolder order.
+
+    ``root`` is the canonical root URL (``str(parse_url(url))``), ``classes`` the sorted class
+    names; ``sizes`` (int64, bytes) and ``targets`` (int32, class index) are numpy arrays indexed
+    by sample. ``listed_at`` is the wall-clock time of the listing (seconds since the epoch);
+    ``skipped`` the URLs of objects that could not belong to any class; ``params`` the listing
+    parameters (extensions, ...) the manifest was made with.
+    """
+
+    __slots__ = (
+        "_id_offsets",
+        "_ids",
+        "_key_offsets",
+        "_keys",
+        "_url_prefix",
+        "classes",
+        "listed_at",
+        "params",
+        "root",
+        "sizes",
+        "skipped",
+        "targets",
+    )
+
+    def __init__(
+        self,
+        root: str,
+        classes: Sequence[str],
+        *,
+        keys: npt.NDArray[np.uint8],
+        key_offsets: npt.NDArray[np.int64],
+        sizes: npt.NDArray[np.int64],
+        targets: npt.NDArray[np.int32],
+        ids: npt.NDArray[np.uint8],
+        id_offsets: npt.NDArray[np.int64],
+        listed_at: float,
+        skipped: Sequence[str] = (),
+        params: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.root = root
+        self.classes = list(classes)
+        self._keys = keys
+        self._key_offsets = key_offsets
+        self.sizes = sizes
+        self.targets = targets
+        self._ids = ids
+        self._id_offsets = id_offsets
+        self.listed_at = float(listed_at)
+        self.skipped = list(skipped)
+        self.params = dict(params or {})
+        self._url_prefix = root + "/"
+        problem = self._check()
+        if problem:
+            raise ManifestError(f"inconsistent manifest for {root}: {problem}", url=root)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_entries(
+        cls,
+        root: str,
+        classes: Sequence[str],
+        entries: Iterable[tuple[str, int, str, int]],
+        *,
+        listed_at: float,
+        skipped: Sequence[str] = (),
+        params: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Build from ``(relkey, size_bytes, identity, target)`` tuples, kept in the given order."""
+        relkeys: list[str] = []
+        identities: list[str] = []
+        sizes: list[int] = []
+        targets: list[int] = []
+        for relkey, size, identity, target in entries:
+            relkeys.append(relkey)
+            sizes.append(size)
+            identities.append(identity)
+            targets.append(target)
+        keys, key_offsets = _join(relkeys)
+        ids, id_offsets = _join(identities)
+        return cls(
+            root,
+            classes,
+            keys=keys,
+            key_offsets=key_offsets,
+            sizes=np.asarray(sizes, dtype=np.int64),
+            targets=np.asarray(targets, dtype=np.int32),
+            ids=ids,
+            id_offsets=id_offsets,
+            listed_at=listed_at,
+            skipped=skipped,
+            params=params,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        root: str,
+        classes: Sequence[str],
+        *,
+        keys: npt.ArrayLike | bytes,
+        key_offsets: npt.ArrayLike,
+        sizes: npt.ArrayLike,
+        targets: npt.ArrayLike,
+        ids: npt.ArrayLike | bytes,
+        id_offsets: npt.ArrayLike,
+        listed_at: float,
+        skipped: Sequence[str] = (),
+        params: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Build from ready arrays (UTF-8 buffers with n+1 offsets); validated, converted if needed."""
+        return cls(
+            root,
+            classes,
+            keys=_u8(keys),
+            key_offsets=np.ascontiguousarray(key_offsets, dtype=np.int64),
+            sizes=np.ascontiguousarray(sizes, dtype=np.int64),
+            targets=np.ascontiguousarray(targets, dtype=np.int32),
+            ids=_u8(ids),
+            id_offsets=np.ascontiguousarray(id_offsets, dtype=np.int64),
+            listed_at=listed_at,
+            skipped=skipped,
+            params=params,
+        )
+
+    def _check(self) -> str | None:
+        """What is inconsistent in the arrays, or None."""
+        n = len(self.sizes)
+        if self.sizes.ndim != 1 or self.targets.shape != (n,):
+            return f"sizes {self.sizes.shape} and targets {self.targets.shape} must be 1-d of equal length"
+        for name, buf, offs in (
+            ("keys", self._keys, self._key_offsets),
+            ("ids", self._ids, self._id_offsets),
+        ):
+            if offs.shape != (n + 1,):
+                return f"{name} offsets must have {n + 1} entries, has {offs.shape}"
+            if offs[0] != 0 or offs[-1] != len(buf) or (n and bool(np.any(np.diff(offs) < 0))):
+                return f"{name} offsets do not describe the {len(buf)}-byte buffer"
+        if n and (int(self.targets.min()) < 0 or int(self.targets.max()) >= len(self.classes)):
+            return f"targets outside 0..{len(self.classes) - 1}"
+        if n and int(self.sizes.min()) < 0:
+            return "negative object size"
+        if list(self.classes) != sorted(set(self.classes)):
+            return "classes are not sorted and unique"
+        return None
+
+    # -- access ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __repr__(self) -> str:
+        return f"Manifest({self.root!r}, {len(self)} samples, {len(self.classes)} classes)"
+
+    def _index(self, i: int) -> int:
+        n = len(self.sizes)
+        j = int(i) + n if i < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"sample index {i} out of range for {n} samples of {self.root}")
+        return j
+
+    def relkey(self, i: int) -> str:
+        """The key of sample ``i`` relative to ``root``, exactly as listed."""
+        i = self._index(i)
+        return self._keys[self._key_offsets[i] : self._key_offsets[i + 1]].tobytes().decode(_ENC, _ERRORS)
+
+    def url(self, i: int) -> str:
+        """``root + "/" + relkey``: the exact key, never normalised."""
+        return self._url_prefix + self.relkey(i)
+
+    def identity(self, i: int) -> str:
+        """ETag / generation / mtime-size string of sample ``i`` at listing time."""
+        i = self._index(i)
+        return self._ids[self._id_offsets[i] : self._id_offsets[i + 1]].tobytes().decode(_ENC, _ERRORS)
+
+    def size(self, i: int) -> int:
+        """Size of sample ``i`` in bytes at listing time."""
+        return int(self.sizes[i])
+
+    def target(self, i: int) -> int:
+        """Class index of sample ``i``."""
+        return int(self.targets[i])
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {c: i for i, c in enumerate(self.classes)}
+
+    def class_counts(self) -> list[int]:
+        """Number of samples of each class, in class order."""
+        return [int(c) for c in np.bincount(self.targets, minlength=len(self.classes))]
+
+    def total_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def _arrays(self) -> dict[str, npt.NDArray[Any]]:
+        return {
+            "keys": self._keys,
+            "key_offsets": self._key_offsets,
+            "sizes": self.sizes,
+            "targets": self.targets,
+            "ids": self._ids,
+            "id_offsets": self._id_offsets,
+        }
+
+    # -- storage --------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """The on-disk form (see the module docstring)."""
+        arrays = {name: np.ascontiguousarray(a, dtype=_ARRAYS[name]) for name, a in self._arrays().items()}
+        layout: dict[str, dict[str, Any]] = {}
+        pos = 0
+        for name, a in arrays.items():
+            layout[name] = {"dtype": _ARRAYS[name], "offset": pos, "nbytes": int(a.nbytes)}
+            pos += -(-a.nbytes // _ALIGN) * _ALIGN
+        header = {
+            "format": FORMAT_VERSION,
+            "root": self.root,
+            "classes": self.classes,
+            "count": len(self),
+            "listed_at": self.listed_at,
+            "skipped": self.skipped,
+            "params": self.params,
+            "arrays": layout,
+        }
+        head = json.dumps(header, ensure_ascii=True).encode("ascii")
+        start = -(-(_PREAMBLE.size + len(head)) // _ALIGN) * _ALIGN
+        out = bytearray(start + pos)
+        out[_PREAMBLE.size : _PREAMBLE.size + len(head)] = head
+        for name, a in arrays.items():
+            off = start + layout[name]["offset"]
+            out[off : off + a.nbytes] = a.data.cast("B")
+        crc = zlib.crc32(memoryview(out)[_PREAMBLE.size :])
+        _PREAMBLE.pack_into(out, 0, _MAGIC, FORMAT_VERSION, len(head), crc)
+        return bytes(out)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically: a 0600 temp file in the same directory, fsync, then ``os.replace``.
+
+        Missing parent directories are created with mode 0700.
+        """
+        target = Path(path)
+        _makedirs_private(target.parent)
+        data = self.to_bytes()
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str = "<bytes>") -> Manifest:
+        """Parse the on-disk form; raise ManifestError naming ``source`` and what is wrong."""
+
+        def bad(what: str) -> ManifestError:
+            return ManifestError(
+                f"manifest {source} is unusable: {what}; delete it or list again with refresh=True",
+                url=source,
+            )
+
+        if len(data) < _PREAMBLE.size:
+            raise bad(f"only {len(data)} bytes, too short for a manifest")
+        magic, version, head_len, expected_crc = _PREAMBLE.unpack_from(data, 0)
+        if magic != _MAGIC:
+            raise bad("not a blobdata manifest (wrong magic bytes)")
+        if version != FORMAT_VERSION:
+            raise bad(f"format version {version}, this blobdata reads version {FORMAT_VERSION}")
+        if _PREAMBLE.size + head_len > len(data):
+            raise bad("truncated header")
+        if zlib.crc32(memoryview(data)[_PREAMBLE.size :]) != expected_crc:
+            raise bad(f"checksum mismatch: the {len(data)}-byte file is corrupt or truncated")
+        try:
+            header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + head_len].decode("ascii"))
+            root = header["root"]
+            classes = header["classes"]
+            count = header["count"]
+            layout = header["arrays"]
+            listed_at = float(header["listed_at"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise bad(f"corrupt header ({exc.__class__.__name__}: {exc})") from None
+        if not (
+            isinstance(root, str)
+            and isinstance(classes, list)
+            and all(isinstance(c, str) for c in classes)
+            and isinstance(count, int)
+            and isinstance(layout, dict)
+        ):
+            raise bad("header fields have the wrong types")
+        start = -(-(_PREAMBLE.size + head_len) // _ALIGN) * _ALIGN
+        arrays: dict[str, npt.NDArray[Any]] = {}
+        for name, dtype in _ARRAYS.items():
+            spec = layout.get(name)
+            if not isinstance(spec, dict) or spec.get("dtype") != dtype:
+                raise bad(f"array {name!r} missing or of the wrong type")
+            off, nbytes = spec.get("offset"), spec.get("nbytes")
+            if not isinstance(off, int) or not isinstance(nbytes, int) or off < 0 or nbytes < 0:
+                raise bad(f"array {name!r} has an invalid position")
+            if start + off + nbytes > len(data):
+                raise bad(f"truncated: array {name!r} ends past the end of the {len(data)}-byte file")
+            if nbytes % np.dtype(dtype).itemsize:
+                raise bad(f"array {name!r} has a partial element")
+            # Zero-copy views into ``data``: one bytes object, no per-sample Python objects.
+            a = np.frombuffer(data, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize, offset=start + off)
+            arrays[name] = a
+        end = max(start + layout[n]["offset"] + -(-layout[n]["nbytes"] // _ALIGN) * _ALIGN for n in _ARRAYS)
+        if len(data) != end:
+            raise bad(f"{len(data)} bytes where the header describes {end}: truncated or with trailing data")
+        if len(arrays["sizes"]) != count:
+            raise bad(f"header says {count} samples, arrays hold {len(arrays['sizes'])}")
+        try:
+            return cls(
+                root,
+                classes,
+                keys=arrays["keys"],
+                key_offsets=arrays["key_offsets"],
+                sizes=arrays["sizes"],
+                targets=arrays["targets"],
+                ids=arrays["ids"],
+                id_offsets=arrays["id_offsets"],
+                listed_at=listed_at,
+                skipped=[str(s) for s in header.get("skipped") or []],
+                params=header.get("params") if isinstance(header.get("params"), dict) else None,
+            )
+        except ManifestError as exc:
+            raise bad(exc.message.split(": ", 1)[-1]) from None
+
+    @classmethod
+    def load(
+        cls,
+        path_or_url: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        expect_root: str | None = None,
+        progress: bool | None = None,
+    ) -> Manifest:
+        """Read a manifest from a local path or a URL (s3://, gs://, az://, memory://; with a bar).
+
+        ``expect_root``: the canonical root URL the manifest must be for (ManifestError otherwise).
+        A missing file raises NotFound (or the error class of the store).
+        """
+        source = os.fspath(path_or_url)
+        data = _read(source, storage_options, progress)
+        manifest = cls.from_bytes(data, source=source)
+        if expect_root is not None and manifest.root != expect_root:
+            raise ManifestError(
+                f"manifest {source} lists {manifest.root}, not {expect_root}: pass the manifest made for "
+                f"{expect_root} (blobdata ls {expect_root} --save PATH) or none",
+                url=source,
+            )
+        return manifest
+
+
+def _read(source: str, storage_options: Mapping[str, Any] | None, progress: bool | None = None) -> bytes:
+    if "://" not in source or source.startswith("file://"):
+        path = source[len("file://") :] if source.startswith("file://") else source
+        try:
+            return Path(path).expanduser().read_bytes()
+        except FileNotFoundError:
+            raise NotFound(f"manifest {source} does not exist", url=source) from None
+        except OSError as exc:
+            raise ManifestError(
+                f"manifest {source} cannot be read: {exc.strerror or exc}", url=source
+            ) from exc
+    # Late: fsspec and the store clients are not needed to read a local manifest.
+    from .._loop import run
+    from .._metrics import progress as _progress
+    from .._retry import final_error
+    from .._stores.fsspec import get_fs
+    from .._stores.options import resolve_storage_options
+
+    url = parse_url(source)
+    fs = get_fs(url.protocol, resolve_storage_options(url.protocol, storage_options))
+
+    async def fetch() -> bytes:
+        if getattr(fs, "async_impl", False):
+            return bytes(await fs._cat_file(url.fs_path))
+        return bytes(fs.cat_file(url.fs_path))
+
+    try:
+        show = _progress.enabled(progress) and url.protocol != "memory"
+        return _progress.download(fs, url.fs_path, f"manifest {source}", progress) if show else run(fetch())
+    except Exception as exc:
+        raise final_error(exc, source, store=url.protocol, what="manifest") from exc
+
+
+def _makedirs_private(path: Path) -> None:
+    """Create ``path`` and missing parents with mode 0700 (existing directories are left alone)."""
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=0o700)
+        os.chmod(d, 0o700)  # mkdir's mode is reduced by the umask
+
+
+def manifest_path(root: str, options_token: str, params: Mapping[str, Any] | None = None) -> Path:
+    """Where the listing of ``root`` is remembered: ``cache_home()/manifests/<sha256>.manifest``.
+
+    The name hashes the canonical root URL, the storage options token (which may hold secrets,
+    hence only its hash is on disk) and the listing parameters, so that another endpoint, other
+    credentials or other extensions never reuse a listing.
+    """
+    h = hashlib.sha256()
+    for part in (root, options_token, json.dumps(dict(params or {}), sort_keys=True, default=repr)):
+        h.update(part.encode(_ENC, _ERRORS))
+        h.update(b"\x00")
+    return cache_home() / "manifests" / f"{h.hexdigest()[:40]}.manifest"

@@ -1,0 +1,111 @@
+"""Who owns what this user left in shared places: is the process that made it still running?
+
+blobdata keeps node-local state outside any one process: each loader's plan channel in ``/dev/shm``
+and the node-wide throttle state (:mod:`blobdata._fetch.throttle`). A process killed by SIGKILL (the OOM
+killer, a preempted node) cannot remove its share, so whoever comes next sweeps what dead owners
+left. An owner is named by its pid and, where the system tells it (Linux ``/proc``), the time it
+started: a pid reused by another process since is not mistaken for the owner.
+
+Only this user's things are ever looked at or removed (checked by ``lstat``, never following a link).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+
+__all__ = ["alive", "per_user_dir", "remove_owned_tree", "started"]
+
+_BOOT: float | None = None
+_TICKS = 100.0
+
+
+def _boot_time() -> float:
+    global _BOOT, _TICKS
+    if _BOOT is None:
+        _BOOT = 0.0
+        with contextlib.suppress(OSError, ValueError), open("/proc/stat", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"btime "):
+                    _BOOT = float(line.split()[1])
+                    break
+        with contextlib.suppress(ValueError, OSError, AttributeError):
+            _TICKS = float(os.sysconf("SC_CLK_TCK"))
+    return _BOOT
+
+
+def _stat(pid: int) -> tuple[str, float] | None:
+    """(state letter, start time in seconds since the epoch) of process ``pid`` from ``/proc``; None
+    where there is no ``/proc`` entry to read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read(4096)
+    except OSError:
+        return None
+    # The fields after the command name, which may hold spaces and parentheses: from the last ')'.
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    boot = _boot_time()
+    if len(fields) < 20:
+        return None
+    try:
+        return fields[0].decode("ascii", "replace"), (boot + int(fields[19]) / _TICKS) if boot else 0.0
+    except ValueError:
+        return None
+
+
+def started(pid: int) -> float:
+    """When process ``pid`` started (seconds since the epoch, 10 ms resolution); 0.0 where unknown."""
+    st = _stat(pid)
+    return st[1] if st is not None else 0.0
+
+
+def alive(pid: int, since: float = 0.0) -> bool:
+    """Whether the owner ``pid`` still runs (a zombie does not). With ``since`` (its :func:`started`,
+    or a time it is known to have been alive at), a process with that pid that started later is
+    another one."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds the pid now: ours would answer
+        return False
+    except OSError:
+        return True
+    st = _stat(pid)
+    if st is None:
+        return True
+    state, began = st
+    if state in ("Z", "X"):  # exited, not yet reaped by its parent
+        return False
+    return not (since > 0.0 and began and began > since + 1.0)  # started after: a reused pid
+
+
+def per_user_dir(root: str, name: str) -> str | None:
+    """``root/name`` as a directory of this user's only (mode 0700), made if missing; None if that
+    path is something else (a link, another user's, open to others): nothing is used then."""
+    path = os.path.join(root, name)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def remove_owned_tree(path: str) -> bool:
+    """Remove the directory ``path`` if it is this user's (not a link); whether it went."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
