@@ -1,4 +1,6 @@
-"""The package's shape: imports flow one way, modules stay small, no test hooks in production code."""
+"""The package's shape: packages named after the stages of the data path, imports flowing one way
+between them (the table below is ARCHITECTURE.md's rules), each package entered by its ``__init__``,
+modules small, no test hooks in production code."""
 
 from __future__ import annotations
 
@@ -10,6 +12,35 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "blobdata"
 MAX_LINES = 500
+MAX_TOP_MODULES = 10  # directly in blobdata/, besides __init__ and __main__
+MAX_PACKAGE_MODULES = 16
+
+#: The plumbing every stage shares: modules directly in blobdata/. They import only each other.
+PLUMBING = {"_config", "_errors", "_loop", "_process", "_retry", "_url"}
+
+#: Which unit may import which (besides itself and the plumbing). A unit is a package of blobdata or a
+#: public top-level module. Lower stages never import higher ones: the table has no cycle (checked).
+ALLOWED: dict[str, set[str]] = {
+    "_node": set(),
+    "_metrics": set(),
+    "_stores": set(),
+    "_cache": set(),
+    "_decode": set(),
+    "_fetch": {"_node", "_metrics", "_stores"},
+    "_listing": {"_metrics", "_stores"},
+    "_sampling": {"_listing"},
+    "transforms": {"_decode"},
+    "gpu": {"_metrics", "_decode", "transforms"},
+    "testing": {"gpu", "transforms", "_decode"},
+    "_dataset": {
+        "_cache", "_decode", "_fetch", "_listing", "_metrics", "_node", "_sampling", "_stores", "gpu",
+        "transforms",
+    },
+    "_cli": {
+        "_cache", "_dataset", "_decode", "_fetch", "_listing", "_metrics", "_node", "_sampling", "_stores",
+        "gpu", "testing", "transforms",
+    },
+}  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:
@@ -64,7 +95,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(n)
         for d in sorted(graph[n]):
             if state.get(d) == 1:
-                return [*stack[stack.index(d):], d]
+                return [*stack[stack.index(d) :], d]
             if d not in state and (found := visit(d)):
                 return found
         stack.pop()
@@ -90,8 +121,6 @@ def test_cycle_finder_finds_a_cycle() -> None:
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-
-
 def test_no_import_cycle() -> None:
     graph = _graph()
     # The package root re-exports everything (and lazily FolderDataset): leave it out, as nothing
@@ -101,6 +130,110 @@ def test_no_import_cycle() -> None:
         assert "blobdata" not in deps or name == "blobdata", f"{name} imports the package root"
     cycle = _find_cycle(inner)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _unit(module: str) -> str:
+    """The package (or top-level module) of blobdata that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "blobdata"
+
+
+def _import_statements() -> list[tuple[str, str, int, str]]:
+    """(importing module, imported module as written, line, its unit) for every import of blobdata's own
+    modules inside the package, function-level ones included."""
+    modules = _modules()
+    out = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                target = _resolve(name, path.name == "__init__.py", node)[-1]
+                targets = (
+                    [target] if node.module else [t for t in _resolve(name, path.name == "__init__.py", node)]
+                )
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            out += [(name, t, node.lineno, _unit(t)) for t in targets if t.split(".")[0] == "blobdata"]
+    return out
+
+
+def test_the_edge_table_is_one_way() -> None:
+    graph = {unit: deps for unit, deps in ALLOWED.items()}
+    assert _find_cycle(graph) is None, _find_cycle(graph)
+
+
+def test_every_package_is_in_the_table_and_in_architecture() -> None:
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    tops = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert set(packages) <= set(ALLOWED), set(packages) - set(ALLOWED)
+    assert set(tops) - PLUMBING <= set(ALLOWED), set(tops) - PLUMBING - set(ALLOWED)
+    architecture = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    for unit in [*packages, *tops]:
+        assert f"`{unit}/`" in architecture or f"`{unit}.py`" in architecture, f"ARCHITECTURE.md: {unit}?"
+
+
+def test_the_top_level_is_small_and_packages_are_not_crowded() -> None:
+    tops = [p.name for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    assert len(tops) <= MAX_TOP_MODULES, sorted(tops)
+    for pkg in PACKAGE.iterdir():
+        if (pkg / "__init__.py").is_file():
+            count = len([p for p in pkg.rglob("*.py") if p.name != "__init__.py"])
+            assert count <= MAX_PACKAGE_MODULES, f"{pkg.name} has {count} modules"
+
+
+def test_imports_follow_the_table() -> None:
+    bad = []
+    for importer, target, line, unit in _import_statements():
+        here = _unit(importer)
+        if unit == here or unit in PLUMBING or here in ("blobdata", "__main__"):
+            continue
+        if target == "blobdata.__version__":  # the root's version, read late by the command line
+            continue
+        if here in PLUMBING:
+            bad.append(f"{importer}:{line} plumbing imports {target}")
+        elif here != "blobdata" and unit not in ALLOWED.get(here, set()):
+            bad.append(f"{importer}:{line} ({here}) imports {target} ({unit}): not in ALLOWED")
+    assert not bad, "\n".join(bad)
+
+
+def test_other_packages_enter_a_package_by_its_init() -> None:
+    """``from .._fetch import FetchEngine``, never ``from .._fetch.engine import FetchEngine``: moving a
+    module inside its package then touches nothing outside it. ``from .._metrics import stats`` names a
+    module through the package: allowed. ``gpu`` and ``testing`` are public: their ``__init__`` is the
+    user's API, so the data path reaches their private modules directly."""
+    modules = _modules()
+    bad = []
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or (not node.module and node.level == 0):
+                continue
+            base = _resolve(name, path.name == "__init__.py", node)[-1] if node.module else None
+            if base is None:
+                continue
+            parts = base.split(".")
+            inside = parts[0] == "blobdata" and parts[1] not in PLUMBING | {"gpu", "testing"}
+            if len(parts) > 2 and inside and _unit(base) != _unit(name):
+                bad.append(f"{name}:{node.lineno} imports from {base}")
+    assert not bad, "\n".join(bad)
+
+
+def test_tests_enter_moved_packages_by_their_init() -> None:
+    """Tests import blobdata's packages by their interface too, except a package's own white-box tests
+    (tests/<package>/), the store and cache internals (their own folders) and gpu's private modules."""
+    tests = PACKAGE.parent / "tests"
+    interface_only = {"_fetch", "_listing", "_sampling", "_metrics", "_dataset", "_decode", "_cli", "_node"}
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        own = path.relative_to(tests).parts[0].replace("-", "_")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blobdata."):
+                parts = node.module.split(".")
+                if len(parts) > 2 and parts[1] in interface_only and f"_{own}" != parts[1]:
+                    bad.append(f"{path.relative_to(tests)}:{node.lineno} imports from {node.module}")
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

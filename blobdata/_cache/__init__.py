@@ -56,6 +56,7 @@ per process (each worker counts its own); volume and entries come from the share
 
 from .cache import BlobCache, CacheStats
 from .index import SLACK_BYTES, WAL_SLACK_BYTES, Policy
+from .values import DB_NAME
 from .writer import CacheWriter
 
-__all__ = ["SLACK_BYTES", "WAL_SLACK_BYTES", "BlobCache", "CacheStats", "CacheWriter", "Policy"]
+__all__ = ["DB_NAME", "SLACK_BYTES", "WAL_SLACK_BYTES", "BlobCache", "CacheStats", "CacheWriter", "Policy"]

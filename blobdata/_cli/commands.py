@@ -15,7 +15,7 @@ import numpy as np
 
 from .._config import parse_size
 from .._errors import BlobdataError, ConfigError
-from .._stores.options import redact, resolve_storage_options
+from .._stores import redact, resolve_storage_options
 from .._url import parse_url
 from . import bench as _bench
 from .warm import has_cache, human_size, print_summary, used_bytes, warm
@@ -268,7 +268,7 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
         return
     from .._loop import run
     from .._retry import final_error
-    from .._stores.fsspec import get_fs
+    from .._stores import get_fs
 
     dest = parse_url(target)
     fs = get_fs(dest.protocol, resolve_storage_options(dest.protocol, storage_options))

@@ -252,7 +252,7 @@ def _refusal(cache: Any) -> str:
 
 def has_cache(directory: str) -> bool:
     """Whether ``directory`` holds a cache index (nothing is created to find out)."""
-    from .._cache.values import DB_NAME
+    from .._cache import DB_NAME
 
     return os.path.isfile(os.path.join(directory, DB_NAME))
 
@@ -456,7 +456,7 @@ def warm_cache(
     """
     from .._cache import BlobCache
     from .._listing import load_or_list
-    from .._stores.options import resolve_storage_options
+    from .._stores import resolve_storage_options
 
     parsed = parse_url(url)
     opts = resolve_storage_options(parsed.protocol, storage_options)

@@ -33,7 +33,7 @@ from .._listing import Manifest, listing_params, load_or_list, shared_manifest
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
-from .._stores.options import redact, resolve_storage_options
+from .._stores import redact, resolve_storage_options
 from .._url import parse_url
 from ..gpu._jpeg import prepare as prepare_raw
 from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix

@@ -281,7 +281,7 @@ class ImageFolderContract:
     def find_classes(self, directory: str | os.PathLike[str]) -> tuple[list[str], dict[str, int]]:
         """torchvision's ``find_classes``: the sorted class folders of ``directory`` and their indices.
         A subclass may override it (to pick or merge classes); the dataset then uses what it returns."""
-        from .._stores.options import resolve_storage_options
+        from .._stores import resolve_storage_options
 
         opts = resolve_storage_options(parse_url(directory).protocol, self._storage_options)
         return default_find_classes(directory, opts)

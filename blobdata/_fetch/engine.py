@@ -39,8 +39,7 @@ from .._errors import (
 )
 from .._metrics import stats as _stats
 from .._retry import with_retries
-from .._stores import Reader, ReadResult, reader_for
-from .._stores.options import listing_scope, resolve_storage_options
+from .._stores import Reader, ReadResult, listing_scope, reader_for, resolve_storage_options
 from .._url import parse_url
 from .admission import Gate, gate_for, private_gate, store_key
 

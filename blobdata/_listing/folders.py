@@ -26,8 +26,7 @@ from .._errors import BlobdataError, ConfigError, EmptyDatasetError, ManifestErr
 from .._loop import run
 from .._metrics import progress as _progress
 from .._retry import final_error
-from .._stores import Entry, Lister, identity_from_info, lister_for
-from .._stores.options import listing_scope, resolve_storage_options
+from .._stores import Entry, Lister, identity_from_info, lister_for, listing_scope, resolve_storage_options
 from .._url import BlobURL, parse_url
 from .filters import UNIDENTIFIED, filter_identity
 from .manifest import Manifest, manifest_path

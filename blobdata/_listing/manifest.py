@@ -450,8 +450,7 @@ def _read(source: str, storage_options: Mapping[str, Any] | None, progress: bool
     from .._loop import run
     from .._metrics import progress as _progress
     from .._retry import final_error
-    from .._stores.fsspec import get_fs
-    from .._stores.options import resolve_storage_options
+    from .._stores import get_fs, resolve_storage_options
 
     url = parse_url(source)
     fs = get_fs(url.protocol, resolve_storage_options(url.protocol, storage_options))

@@ -23,8 +23,22 @@ from .._url import BlobURL
 from . import local
 from .base import Entry, Lister, Reader, ReadResult
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
+from .options import listing_scope, options_token, redact, resolve_storage_options
 
-__all__ = ["Entry", "Lister", "ReadResult", "Reader", "identity_from_info", "lister_for", "reader_for"]
+__all__ = [
+    "Entry",
+    "Lister",
+    "ReadResult",
+    "Reader",
+    "get_fs",
+    "identity_from_info",
+    "lister_for",
+    "listing_scope",
+    "options_token",
+    "reader_for",
+    "redact",
+    "resolve_storage_options",
+]
 
 
 def reader_for(protocol: str, storage_options: Mapping[str, Any], *, concurrency: int) -> Reader:
