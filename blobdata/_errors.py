@@ -191,15 +191,9 @@ class RangeIgnored(Exception):
     internal: the fetch engine then reads the object once, whole, instead of once per part)."""
 
 
-#: What to check when a store refuses the credentials, per store.
-_CREDENTIAL_HINTS = {
-    "s3": "check the credentials (key/secret, AWS_PROFILE, AWS_ACCESS_KEY_ID) and the bucket policy, or "
-    "pass anon=True for a public bucket",
-    "gs": "check token= in storage_options (a service-account file, 'google_default', or 'anon' for a "
-    "public bucket) and the bucket's IAM policy",
-    "az": "check the account key, SAS token or credential in storage_options (or "
-    "AZURE_STORAGE_CONNECTION_STRING)",
-}
+#: What to check when a store refuses credentials and its caller named no hint of the store's
+#: (each store's own hint is its descriptor's: :func:`blobdata._stores.credential_hint`).
+_DEFAULT_HINT = "check the credentials in storage_options and the bucket policy"
 _DENIED_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
     "InvalidToken", "AccountProblem", "AuthorizationFailure", "AuthenticationFailed", "Forbidden",
@@ -217,15 +211,15 @@ def from_status(
     status: int,
     *,
     code: str = "",
-    store: str = "",
+    hint: str = "",
     what: str = "",
     retry_after: str | float | None = None,
     expected: str | None = None,
 ) -> BlobdataError | TransientError:
     """The error for one refused request: HTTP ``status`` and the store's error ``code`` (``""`` if none).
 
-    ``store`` (``s3``, ``gs``, ``az``) picks the advice on credentials; ``what`` (``"listing"``,
-    ``"manifest"``; empty for an object read) starts the message; ``expected`` is the listed
+    ``hint`` is the store's advice on credentials (its descriptor's ``credential_hint``); ``what``
+    (``"listing"``, ``"manifest"``; empty for an object read) starts the message; ``expected`` is the listed
     identity, for a 412. Throttling, 5xx and 408 are :class:`TransientError` (the caller retries; a
     throttled request is never "not found"); everything else is final.
     """
@@ -236,8 +230,8 @@ def from_status(
     if code in _SERVER_CODES or status == 408 or status >= 500:
         return TransientError("server", f"{head}: server error ({label})")
     if code in _DENIED_CODES or status in (401, 403):
-        hint = _CREDENTIAL_HINTS.get(store, "check the credentials in storage_options and the bucket policy")
-        return AccessDenied(f"{head}: access denied, the store refused the request ({label}); {hint}", url)
+        return AccessDenied(f"{head}: access denied, the store refused the request ({label}); "
+                            f"{hint or _DEFAULT_HINT}", url)  # fmt: skip
     if code in _MISSING_BUCKET_CODES:
         return NotFound(f"{head}: the bucket does not exist ({label}); check the bucket name, the URL and "
                         "the endpoint", url)  # fmt: skip
@@ -292,7 +286,7 @@ def translate(
     exc: BaseException,
     url: str,
     *,
-    store: str = "",
+    hint: str = "",
     what: str = "",
     timeout: float | None = None,
     expected: str | None = None,
@@ -310,7 +304,7 @@ def translate(
     for e in _chain(exc):
         code, status = _status_of(e)
         if code or status:
-            return from_status(url, status, code=code, store=store, what=what,
+            return from_status(url, status, code=code, hint=hint, what=what,
                                retry_after=_retry_after(e), expected=expected)  # fmt: skip
     names = {type(e).__name__ for e in _chain(exc)}
     refused = next((e for e in _chain(exc) if type(e).__name__ in _TLS_REFUSED_NAMES), None)
@@ -321,8 +315,9 @@ def translate(
         return FetchError(f"{head}: TLS certificate verification failed ({reason}); name the CA bundle that "
                           "signed the server's certificate, or check the endpoint", url)  # fmt: skip
     if names & _CREDENTIAL_NAMES:
-        hint = _CREDENTIAL_HINTS.get(store, "set them in storage_options or the environment")
-        return AccessDenied(f"{head}: no usable credentials; {hint}", url)
+        return AccessDenied(
+            f"{head}: no usable credentials; {hint or 'set them in storage_options or the environment'}", url
+        )
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) or names & _TIMEOUT_NAMES:
         within = f" within {timeout:g}s" if timeout is not None else ""
         return TransientError("timeout", f"{head}: no complete response{within}")

@@ -114,9 +114,9 @@ def give_up(
 
 
 def final_error(
-    exc: BaseException, url: str, *, store: str = "", what: str = "", timeout: float = 0.0, attempts: int = 1
+    exc: BaseException, url: str, *, hint: str = "", what: str = "", timeout: float = 0.0, attempts: int = 1
 ) -> BlobdataError:
     """:func:`~blobdata._errors.translate`, with a transient failure stated as the final error it is
     once no attempt is left (for callers whose client library already retried)."""
-    err = translate(exc, url, store=store, what=what, timeout=timeout)
+    err = translate(exc, url, hint=hint, what=what, timeout=timeout)
     return give_up(url, err, attempts, timeout) if isinstance(err, TransientError) else err

@@ -18,7 +18,7 @@ from blobdata._config import FetchOptions
 from blobdata._errors import ConfigError, FetchError, FetchTimeout, NotFound, ObjectChanged, Throttled
 from blobdata._fetch import FetchEngine
 from blobdata._loop import run
-from blobdata._stores.options import resolve_storage_options
+from blobdata._stores import resolve_storage_options
 from blobdata._stores.s3 import S3Reader
 
 pytestmark = pytest.mark.network

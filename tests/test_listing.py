@@ -27,6 +27,7 @@ from blobdata._errors import (
 )
 from blobdata._listing import IMG_EXTENSIONS, Manifest, identity_from_info, list_folder, load_or_list
 from blobdata._retry import final_error
+from blobdata._stores import credential_hint
 
 # A tree with everything ImageFolder has an opinion about: nested files, mixed-case extensions,
 # non-image files, files directly under the root, unicode, spaces and '+' in names, and directory
@@ -340,7 +341,7 @@ def test_throttle_is_never_not_found() -> None:
             except ClientError as inner:
                 raise FileNotFoundError("s3fs's translation") from inner
         except FileNotFoundError as outer:
-            err = final_error(outer, "s3://b/p", store="s3", what="listing")
+            err = final_error(outer, "s3://b/p", hint=credential_hint("s3"), what="listing")
         assert isinstance(err, Throttled) and not isinstance(err, FileNotFoundError), code
         assert "s3://b/p" in str(err)
 
@@ -459,8 +460,8 @@ def _both_listers(url: str, storage_options: dict[str, Any]) -> list[Any]:
     from blobdata._config import FetchOptions
     from blobdata._listing import list_with
     from blobdata._loop import run
+    from blobdata._stores import resolve_storage_options
     from blobdata._stores.fsspec import get_fs
-    from blobdata._stores.options import resolve_storage_options
     from blobdata._stores.s3_listing import S3fsLister, S3LeanLister
     from blobdata._url import parse_url
 
@@ -473,7 +474,7 @@ def _both_listers(url: str, storage_options: dict[str, Any]) -> list[Any]:
             classes, results = run(list_with(lister, parsed, 8))
             out.append((classes, [sorted(objs) for objs in results]))
         except Exception as exc:
-            err = final_error(exc, url, store="s3", what="listing")
+            err = final_error(exc, url, hint=credential_hint("s3"), what="listing")
             out.append((type(err), str(err)))
         finally:
             run(lister.aclose())

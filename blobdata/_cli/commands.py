@@ -268,7 +268,7 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
         return
     from .._loop import run
     from .._retry import final_error
-    from .._stores import get_fs
+    from .._stores import credential_hint, get_fs
 
     dest = parse_url(target)
     fs = get_fs(dest.protocol, resolve_storage_options(dest.protocol, storage_options))
@@ -283,7 +283,7 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
     try:
         run(put())
     except Exception as exc:
-        raise final_error(exc, target, store=dest.protocol, what="manifest upload") from exc
+        raise final_error(exc, target, hint=credential_hint(dest.protocol), what="manifest upload") from exc
 
 
 # -- bench ---------------------------------------------------------------------------------------

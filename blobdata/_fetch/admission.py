@@ -27,6 +27,7 @@ from typing import NamedTuple
 from .. import _process
 from .._errors import PatienceSpent
 from .._metrics import stats as _stats
+from .._stores import store_info
 from .throttle import OPEN_WINDOW, START_WINDOW, SYNC_S, Limit, Table, key_id, node_table
 
 __all__ = ["Gate", "PatienceSpent", "gate_for", "private_gate", "store_key"]
@@ -35,10 +36,11 @@ __all__ = ["Gate", "PatienceSpent", "gate_for", "private_gate", "store_key"]
 def store_key(protocol: str, endpoint: str, bucket: str, prefix: str) -> str:
     """What names one throttle controller: the store's endpoint (an Azure account) and bucket
     (container) and, for S3, which limits request rates per prefix, the folder's first path segment
-    (``prefix``, "" for a whole bucket). Azure limits an account as a whole: its bucket is left out."""
-    if protocol == "az":
-        bucket = ""
-    return f"{protocol}\0{endpoint}\0{bucket}\0{prefix if protocol == 's3' else ''}"
+    (``prefix``, "" for a whole bucket). Azure limits an account as a whole: its bucket is left out.
+    Which of these a store limits by is its descriptor's (:func:`blobdata._stores.store_info`)."""
+    store = store_info(protocol)
+    bucket = bucket if store.throttle_bucket else ""
+    return f"{protocol}\0{endpoint}\0{bucket}\0{prefix if store.throttle_prefix else ''}"
 
 
 class _Waiter(NamedTuple):

@@ -39,7 +39,7 @@ from .._errors import (
 )
 from .._metrics import stats as _stats
 from .._retry import with_retries
-from .._stores import Reader, ReadResult, listing_scope, reader_for, resolve_storage_options
+from .._stores import Reader, ReadResult, reader_for, resolve_storage_options, store_info
 from .._url import parse_url
 from .admission import Gate, gate_for, private_gate, store_key
 
@@ -58,12 +58,7 @@ class _State(NamedTuple):
 def endpoint_of(protocol: str, storage_options: Mapping[str, Any]) -> str:
     """Where a store's requests go, without credentials: the listing's scope (endpoint, or Azure
     account), and for Azure the blob endpoint too (an emulator's accounts share one name)."""
-    scope = listing_scope(protocol, storage_options)
-    if protocol == "az":
-        parts = str(storage_options.get("connection_string") or "").split(";")
-        scope += "|" + "|".join(p.strip() for p in parts if p.strip().startswith("BlobEndpoint="))
-        scope += "|" + str(storage_options.get("account_url") or "")
-    return scope
+    return store_info(protocol).endpoint_of(storage_options)
 
 
 #: Stores read in this process (no request rate to share with other processes).

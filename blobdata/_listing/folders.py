@@ -26,7 +26,15 @@ from .._errors import BlobdataError, ConfigError, EmptyDatasetError, ManifestErr
 from .._loop import run
 from .._metrics import progress as _progress
 from .._retry import final_error
-from .._stores import Entry, Lister, identity_from_info, lister_for, listing_scope, resolve_storage_options
+from .._stores import (
+    Entry,
+    Lister,
+    credential_hint,
+    identity_from_info,
+    lister_for,
+    listing_scope,
+    resolve_storage_options,
+)
 from .._url import BlobURL, parse_url
 from .filters import UNIDENTIFIED, filter_identity
 from .manifest import Manifest, manifest_path
@@ -195,7 +203,8 @@ def list_folder(
     except BlobdataError:
         raise
     except Exception as exc:
-        raise final_error(exc, root, store=parsed.protocol, what="listing", timeout=options.timeout) from exc
+        hint = credential_hint(parsed.protocol)
+        raise final_error(exc, root, hint=hint, what="listing", timeout=options.timeout) from exc
     # Filtering (a user callable) and sorting run here, in the caller's thread, not on the I/O loop.
     prefix = root + "/"
     if parsed.protocol == "file":

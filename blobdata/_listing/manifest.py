@@ -450,7 +450,7 @@ def _read(source: str, storage_options: Mapping[str, Any] | None, progress: bool
     from .._loop import run
     from .._metrics import progress as _progress
     from .._retry import final_error
-    from .._stores import get_fs, resolve_storage_options
+    from .._stores import credential_hint, get_fs, resolve_storage_options
 
     url = parse_url(source)
     fs = get_fs(url.protocol, resolve_storage_options(url.protocol, storage_options))
@@ -464,7 +464,7 @@ def _read(source: str, storage_options: Mapping[str, Any] | None, progress: bool
         show = _progress.enabled(progress) and url.protocol != "memory"
         return _progress.download(fs, url.fs_path, f"manifest {source}", progress) if show else run(fetch())
     except Exception as exc:
-        raise final_error(exc, source, store=url.protocol, what="manifest") from exc
+        raise final_error(exc, source, hint=credential_hint(url.protocol), what="manifest") from exc
 
 
 def _makedirs_private(path: Path) -> None:

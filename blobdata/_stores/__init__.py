@@ -21,15 +21,17 @@ from typing import Any
 from .._config import FetchOptions
 from .._url import BlobURL
 from . import local
-from .base import Entry, Lister, Reader, ReadResult
+from .base import Entry, Lister, Reader, ReadResult, StoreInfo
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
-from .options import listing_scope, options_token, redact, resolve_storage_options
+from .options import options_token, redact
 
 __all__ = [
     "Entry",
     "Lister",
     "ReadResult",
     "Reader",
+    "StoreInfo",
+    "credential_hint",
     "get_fs",
     "identity_from_info",
     "lister_for",
@@ -38,7 +40,43 @@ __all__ = [
     "reader_for",
     "redact",
     "resolve_storage_options",
+    "store_info",
 ]
+
+
+def store_info(protocol: str) -> StoreInfo:
+    """The facts of ``protocol``'s store (``STORE`` in its module): how it reads the environment, what
+    names a listing and a throttle controller of it, what to check when it refuses credentials."""
+    if protocol == "s3":
+        from .s3 import STORE
+
+        return STORE
+    if protocol in ("gs", "gcs"):
+        from .gcs import STORE
+
+        return STORE
+    if protocol in ("az", "abfs"):
+        from .azure import STORE
+
+        return STORE
+    return StoreInfo(protocol)  # local files, memory://: no environment, no credentials
+
+
+def resolve_storage_options(protocol: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Storage options for ``protocol`` with the ecosystem's environment (endpoints, emulator hosts,
+    credentials) folded in. Explicit options win over the environment; nothing else reads it."""
+    return store_info(protocol).resolved(storage_options)
+
+
+def listing_scope(protocol: str, storage_options: Mapping[str, Any]) -> str:
+    """What a bucket listing depends on besides the URL: the endpoint (or Azure account), never the
+    credentials, so that one URL has one remembered listing however its credentials are given."""
+    return store_info(protocol).scope(storage_options)
+
+
+def credential_hint(protocol: str) -> str:
+    """What to check when ``protocol``'s store refuses the credentials (for error messages)."""
+    return store_info(protocol).credential_hint
 
 
 def reader_for(protocol: str, storage_options: Mapping[str, Any], *, concurrency: int) -> Reader:

@@ -26,11 +26,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .._config import env
 from .._errors import ConfigError, NotFound, ObjectChanged, TransientError, translate
-from .base import ReadResult
+from .base import ReadResult, StoreInfo
 from .http import ProcessBound, check_content_range, grown, lean_session
 from .network import proxy_url
-from .options import resolve_storage_options
 
 __all__ = ["AzureReader", "identity"]
 
@@ -157,7 +157,7 @@ class AzureReader:
     """
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 64) -> None:
-        self._options = resolve_storage_options("az", storage_options)
+        self._options = STORE.resolved(storage_options)
         self._concurrency = concurrency
         self._clients: ProcessBound[Any] = ProcessBound(self._new_client, _close_client)
 
@@ -216,7 +216,7 @@ class AzureReader:
         try:
             body, props = await asyncio.wait_for(download(), timeout)
         except Exception as exc:
-            err = translate(exc, url, store="az", timeout=timeout, expected=expect_identity)
+            err = translate(exc, url, hint=STORE.credential_hint, timeout=timeout, expected=expect_identity)
             if isinstance(err, ObjectChanged) and not await self._exists(blob, timeout):
                 # Azure answers If-Match on a missing blob with 412 too: that is "not found".
                 err = NotFound(f"{url}: no such blob (HTTP 404); rebuild the listing with refresh=True", url)
@@ -256,3 +256,68 @@ class AzureReader:
 def identity(info: Mapping[str, Any]) -> str:
     """Azure's identity of a listed blob: its ETag without quotes."""
     return str(info.get("etag") or info.get("ETag") or "").strip('"')
+
+
+# adlfs reads these itself; blobdata's own Azure reader must see the same credentials, so they are
+# folded into the options here (storage_options win over the environment).
+_AZURE_ENV = (
+    ("account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
+    ("sas_token", "AZURE_STORAGE_SAS_TOKEN"),
+    ("client_id", "AZURE_STORAGE_CLIENT_ID"),
+    ("client_secret", "AZURE_STORAGE_CLIENT_SECRET"),
+    ("tenant_id", "AZURE_STORAGE_TENANT_ID"),
+)
+_AZURE_CREDENTIALS = ("connection_string", "account_key", "sas_token", "credential", "client_id")
+
+
+def _resolve(opts: dict[str, Any]) -> None:
+    if not {"connection_string", "account_name", "account_url"} & opts.keys():
+        conn = env("AZURE_STORAGE_CONNECTION_STRING")
+        account = env("AZURE_STORAGE_ACCOUNT_NAME") or env("AZURE_STORAGE_ACCOUNT")
+        if conn:
+            opts["connection_string"] = conn
+        elif account:
+            opts["account_name"] = account
+    if "connection_string" in opts:
+        return
+    for name, var in _AZURE_ENV:
+        value = env(var)
+        if name not in opts and value:
+            opts[name] = value
+    if "anon" not in opts and not any(opts.get(k) for k in _AZURE_CREDENTIALS):
+        # An account name and no credential is anonymous access to a public container (adlfs would
+        # try DefaultAzureCredential); anon=False or AZURE_STORAGE_ANON=false asks for that chain.
+        flag = env("AZURE_STORAGE_ANON")
+        opts["anon"] = flag.lower() not in ("false", "0", "f", "no") if flag else True
+
+
+def _listing_scope(opts: Mapping[str, Any]) -> str:
+    account = opts.get("account_url") or opts.get("account_host") or opts.get("account_name") or ""
+    conn = str(opts.get("connection_string") or "")
+    for part in conn.split(";"):
+        name, _, value = part.partition("=")
+        if name.strip() in ("BlobEndpoint", "AccountName") and value:
+            account = account or value.strip()
+        if part.strip() == "UseDevelopmentStorage=true":
+            account = account or "devstoreaccount1"
+    return f"az:{account}"
+
+
+def _endpoint(opts: Mapping[str, Any]) -> str:
+    """The account, and the blob endpoint too: an emulator's accounts all share one name."""
+    parts = str(opts.get("connection_string") or "").split(";")
+    scope = _listing_scope(opts)
+    scope += "|" + "|".join(p.strip() for p in parts if p.strip().startswith("BlobEndpoint="))
+    return scope + "|" + str(opts.get("account_url") or "")
+
+
+#: Azure's facts: credentials from AZURE_STORAGE_*; an account's request rate is limited as a whole.
+STORE = StoreInfo(
+    "az",
+    credential_hint="check the account key, SAS token or credential in storage_options (or "
+    "AZURE_STORAGE_CONNECTION_STRING)",
+    resolve=_resolve,
+    listing_scope=_listing_scope,
+    endpoint=_endpoint,
+    throttle_bucket=False,
+)

@@ -10,11 +10,13 @@ errors, retryable ones :class:`~blobdata._errors.TransientError` (through the on
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 from .._errors import ManifestError
 
-__all__ = ["MAX_LISTED_SIZE", "Entry", "Lister", "ReadResult", "Reader", "listed_size"]
+__all__ = ["MAX_LISTED_SIZE", "Entry", "Lister", "ReadResult", "Reader", "StoreInfo", "listed_size"]
 
 #: The largest object size a listing may state, in bytes (1 PiB; S3's own limit is 50 TB).
 MAX_LISTED_SIZE = 1 << 50
@@ -92,3 +94,42 @@ class Lister(Protocol):
     async def aclose(self) -> None:
         """Release what the lister opened itself."""
         ...
+
+
+def _no_options(opts: dict[str, Any]) -> None:
+    """Nothing to fold in: the store reads no environment."""
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """One store's facts, in one place (its module's ``STORE``): everything outside ``_stores/`` that
+    depends on which store a URL names asks this, never the protocol's name.
+
+    ``resolve`` folds the ecosystem's environment (endpoints, emulator hosts, credentials) into a
+    copy of the storage options, in place; explicit options win. ``listing_scope`` is what a
+    remembered listing depends on besides the URL (the endpoint or account, never credentials);
+    ``endpoint`` what names the store for its throttle controller (the listing scope, plus what tells
+    apart accounts that share a name); ``throttle_bucket`` and ``throttle_prefix`` whether the store
+    limits request rates per bucket and per prefix. ``credential_hint`` is what to check when the
+    store refuses the credentials.
+    """
+
+    protocol: str
+    credential_hint: str = "check the credentials in storage_options and the bucket policy"
+    resolve: Callable[[dict[str, Any]], None] = _no_options
+    listing_scope: Callable[[Mapping[str, Any]], str] | None = None
+    endpoint: Callable[[Mapping[str, Any]], str] | None = None
+    throttle_bucket: bool = True
+    throttle_prefix: bool = False
+
+    def resolved(self, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A copy of ``storage_options`` with the environment folded in (explicit options win)."""
+        opts = dict(storage_options or {})
+        self.resolve(opts)
+        return opts
+
+    def scope(self, storage_options: Mapping[str, Any]) -> str:
+        return self.listing_scope(storage_options) if self.listing_scope else self.protocol
+
+    def endpoint_of(self, storage_options: Mapping[str, Any]) -> str:
+        return self.endpoint(storage_options) if self.endpoint else self.scope(storage_options)

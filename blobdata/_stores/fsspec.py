@@ -94,6 +94,12 @@ def memory_identity(info: Mapping[str, Any]) -> str:
     return f"{created!r}-{int(info.get('size') or 0)}"
 
 
+def _hint(protocol: str) -> str:
+    from . import credential_hint  # the package's dispatch imports this module first
+
+    return credential_hint(protocol)
+
+
 async def bounded(call: Callable[[], Awaitable[T]], *, url: str, options: FetchOptions, store: str) -> T:
     """``call()`` (one listing operation of a client library) under the dataset's timeout and attempt
     budget: each attempt gets ``options.timeout`` seconds, failures go through the one error map."""
@@ -102,7 +108,7 @@ async def bounded(call: Callable[[], Awaitable[T]], *, url: str, options: FetchO
         try:
             return await asyncio.wait_for(call(), options.timeout)
         except Exception as exc:
-            err = translate(exc, url, store=store, what="listing", timeout=options.timeout)
+            err = translate(exc, url, hint=_hint(store), what="listing", timeout=options.timeout)
             raise err from exc
 
     return await with_retries(once, url=url, options=options)

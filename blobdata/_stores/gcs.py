@@ -35,6 +35,7 @@ import aiohttp
 import yarl
 
 from .. import _process
+from .._config import env
 from .._errors import (
     BlobdataError,
     FetchError,
@@ -44,11 +45,10 @@ from .._errors import (
     TransientError,
     from_status,
 )
-from .base import ReadResult
+from .base import ReadResult, StoreInfo
 from .fsspec import get_fs
 from .http import ProcessBound, check_content_range, grown, lean_session, read_capped
 from .network import proxy_url, redact_url
-from .options import resolve_storage_options
 
 __all__ = ["GCSReader", "identity"]
 
@@ -66,7 +66,7 @@ class GCSReader:
     """
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 64) -> None:
-        self._options = resolve_storage_options("gs", storage_options)
+        self._options = STORE.resolved(storage_options)
         endpoint = self._options.get("endpoint_url")
         self._location = str(endpoint).rstrip("/") if endpoint else _DEFAULT_LOCATION
         payer = self._options.get("requester_pays")
@@ -259,10 +259,27 @@ def _changed(url: str, expected: str, current: str) -> ObjectChanged:
 
 def _http_error(url: str, status: int, retry_after: str | None) -> BlobdataError | TransientError:
     """One failed GCS response as the blobdata error (or a TransientError to retry): the one map."""
-    return from_status(url, status, store="gs", retry_after=retry_after)
+    return from_status(url, status, hint=STORE.credential_hint, retry_after=retry_after)
 
 
 def identity(info: Mapping[str, Any]) -> str:
     """GCS's identity of a listed object: its generation (the etag where there is none)."""
     generation = info.get("generation")
     return str(generation) if generation is not None else str(info.get("etag") or "")
+
+
+def _resolve(opts: dict[str, Any]) -> None:
+    host = env("STORAGE_EMULATOR_HOST")
+    if "endpoint_url" not in opts and host:
+        opts["endpoint_url"] = host if "://" in host else "http://" + host
+        opts.setdefault("token", "anon")
+
+
+#: GCS's facts: an emulator named by STORAGE_EMULATOR_HOST; credentials are gcsfs's ``token``.
+STORE = StoreInfo(
+    "gs",
+    credential_hint="check token= in storage_options (a service-account file, 'google_default', or "
+    "'anon' for a public bucket) and the bucket's IAM policy",
+    resolve=_resolve,
+    listing_scope=lambda opts: f"gs:{opts.get('endpoint_url') or env('STORAGE_EMULATOR_HOST') or 'google'}",
+)

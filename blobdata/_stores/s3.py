@@ -42,12 +42,11 @@ import yarl
 
 from .._config import env
 from .._errors import ConfigError, FetchError, ObjectChanged, RangeIgnored, TransientError, from_status
-from .base import ReadResult
+from .base import ReadResult, StoreInfo
 from .h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
 from .h1 import RangeIgnored as _H1RangeIgnored
 from .http import ProcessBound, check_content_range, grown
 from .network import ca_bundle, proxy_settings, redact_url
-from .options import resolve_storage_options
 from .s3xml import ListPage, list_query, parse_list_page
 from .sigv4 import Credentials, SigV4Signer, cached_chain, quote_key, resolve_chain
 
@@ -94,7 +93,7 @@ class S3Reader:
     """
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None, *, concurrency: int = 64) -> None:
-        opts = resolve_storage_options("s3", storage_options)
+        opts = STORE.resolved(storage_options)
         client_kwargs = dict(opts.get("client_kwargs") or {})
         endpoint = opts.get("endpoint_url") or client_kwargs.get("endpoint_url")
         self._endpoint = str(endpoint).rstrip("/") if endpoint else None
@@ -409,4 +408,32 @@ def _tls_error(url: str, origin: str, exc: ssl.SSLError) -> Exception:
 
 def _http_error(url: str, status: int, body: bytes, retry_after: str | None) -> Exception:
     """One failed S3 response as the blobdata error (or a TransientError to retry): the one map."""
-    return from_status(url, status, code=_error_code(body), store="s3", retry_after=retry_after)
+    code = _error_code(body)
+    return from_status(url, status, code=code, hint=STORE.credential_hint, retry_after=retry_after)
+
+
+def _resolve(opts: dict[str, Any]) -> None:
+    client_kwargs = dict(opts.get("client_kwargs") or {})
+    if "endpoint_url" not in opts and "endpoint_url" not in client_kwargs:
+        endpoint = env("AWS_ENDPOINT_URL_S3") or env("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+
+
+def _listing_scope(opts: Mapping[str, Any]) -> str:
+    client_kwargs = opts.get("client_kwargs") or {}
+    endpoint = opts.get("endpoint_url") or client_kwargs.get("endpoint_url") or "aws"
+    return f"s3:{str(endpoint).rstrip('/')}:versions={bool(opts.get('version_aware'))}"
+
+
+#: S3's facts: the endpoint from AWS_ENDPOINT_URL(_S3); request rates limited per prefix.
+STORE = StoreInfo(
+    "s3",
+    credential_hint="check the credentials (key/secret, AWS_PROFILE, AWS_ACCESS_KEY_ID) and the bucket "
+    "policy, or pass anon=True for a public bucket",
+    resolve=_resolve,
+    listing_scope=_listing_scope,
+    throttle_prefix=True,
+)

@@ -26,7 +26,7 @@ from .._retry import final_error, with_retries
 from .._url import BlobURL
 from .base import Entry
 from .fsspec import bounded
-from .s3 import S3Reader
+from .s3 import STORE, S3Reader
 from .s3xml import ListPage
 
 __all__ = ["S3LeanLister", "S3fsLister", "identity", "lean_s3"]
@@ -164,7 +164,7 @@ class S3LeanLister:
             if isinstance(origin, TransientError) and origin.__cause__ is not None:
                 origin = origin.__cause__
             err = final_error(
-                origin or exc, root, store="s3", what="listing", timeout=opts.timeout,
+                origin or exc, root, hint=STORE.credential_hint, what="listing", timeout=opts.timeout,
                 attempts=opts.attempts,
             )  # fmt: skip
             if err is exc:
