@@ -347,7 +347,7 @@ def test_plan_directories_of_live_loaders_are_kept() -> None:
     ours = PlanChannel()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        alive = os.path.join(os.path.dirname(ours.path), f"blobdata-plan-{child.pid}-keepme")
+        alive = os.path.join(os.path.dirname(ours.path), f"plan-{child.pid}-keepme")
         os.mkdir(alive, 0o700)
         PlanChannel()
         assert os.path.isdir(alive) and os.path.isdir(ours.path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import tempfile
 import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import _process
-from .._node import owners as _owners
+from .._node import shm
 
 __all__ = ["LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels"]
 
@@ -74,40 +73,14 @@ def _remove_if_owner(path: str, pid: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _shm_root() -> str:
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK):
-        return shm
-    return tempfile.gettempdir()
+#: Plan channels in the node's shared directory: ``plan-<pid>-<random>`` (:mod:`blobdata._node`).
+_PLAN_KIND = "plan"
 
 
-_PLAN_PREFIX = "blobdata-plan-"
-
-
-def sweep_dead_channels(root: str | None = None) -> list[str]:
-    """Remove the plan directories (``blobdata-plan-<pid>-*``, this user's) whose loader process is
-    gone: one killed by SIGKILL (the OOM killer, a preempted node) could not remove its own, and
-    ``/dev/shm`` is memory. A pid now held by a process that started after the directory was last
-    written is another process: its owner is gone too. Returns the paths removed."""
-    root = root or _shm_root()
-    removed: list[str] = []
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(_PLAN_PREFIX)]
-    except OSError:
-        return removed
-    uid = os.geteuid()
-    for name in names:
-        pid_text = name[len(_PLAN_PREFIX) :].partition("-")[0]
-        path = os.path.join(root, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if not pid_text.isdigit() or st.st_uid != uid or int(pid_text) == _process.pid():
-            continue
-        if not _owners.alive(int(pid_text), since=st.st_mtime) and _owners.remove_owned_tree(path):
-            removed.append(path)
-    return removed
+def sweep_dead_channels(parent: str | None = None) -> list[str]:
+    """Remove the plan directories of this user's loaders whose process is gone (one killed by
+    SIGKILL could not remove its own, and ``/dev/shm`` is memory). Returns the paths removed."""
+    return shm.sweep(_PLAN_KIND, parent)
 
 
 class PlanChannel:
@@ -122,10 +95,7 @@ class PlanChannel:
     def __init__(self, path: str | None = None) -> None:
         self._owner = path is None
         if path is None:
-            root = _shm_root()
-            sweep_dead_channels(root)
-            path = tempfile.mkdtemp(prefix=f"{_PLAN_PREFIX}{_process.pid()}-", dir=root)
-            os.chmod(path, 0o700)
+            path = shm.make_owned_dir(_PLAN_KIND)  # dead loaders' channels are swept first
             self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid())
         self.path = path
         self._seq = 0

@@ -19,14 +19,14 @@ Requests take tokens from the store's bucket (a burst of ``BURST_S`` seconds of 
 and a ``Retry-After`` pauses the whole node's requests to that store (capped by the caller). Retries
 are jittered by :func:`blobdata._retry.with_retries`.
 
-**Where it lives.** One file per user, ``/dev/shm/blobdata-<uid>/throttle-v1.bin`` (directory 0700,
-file 0600; the temporary directory where there is no ``/dev/shm``), mapped into each process and
-changed under an ``fcntl`` lock: a table of stores (keyed by a hash of the protocol, endpoint, bucket
-and, for S3, the folder's first path segment: S3 limits per prefix) and a table of owners (pid, start
-time, store, heartbeat, requests in flight). Entries of processes that are gone are swept (by pid and
-start time, :mod:`blobdata._node.owners`), and a store no live process uses is forgotten after
-``IDLE_S``. A process that cannot use the file (a read-only ``/dev/shm``, a file not its user's)
-keeps the same state privately. All times are ``time.monotonic()``, one clock for every process.
+**Where it lives.** One file per user, ``/dev/shm/blobdata-<uid>/throttle-v1.bin`` (the node's directory
+of :mod:`blobdata._node`: 0700, file 0600; the temporary directory where there is no ``/dev/shm``),
+mapped into each process and changed under an ``fcntl`` lock: a table of stores (keyed by a hash of the
+protocol, endpoint, bucket and, for S3, the folder's first path segment: S3 limits per prefix) and a
+table of owners (pid, start time, store, heartbeat, requests in flight). Entries of processes that are
+gone are swept (by pid and start time, :mod:`blobdata._node.owners`), and a store no live process uses is
+forgotten after ``IDLE_S``. A process that cannot use the file (a read-only ``/dev/shm``, a file not its
+user's) keeps the same state privately. All times are ``time.monotonic()``, one clock for every process.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ import math
 import mmap
 import os
 import stat
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -46,6 +45,7 @@ from typing import Protocol, cast
 
 from .. import _process
 from .._node import owners as _owners
+from .._node import shm
 
 __all__ = ["Limit", "Table", "key_id", "node_table"]
 
@@ -171,10 +171,7 @@ class Table:
 
 
 def _open_node_table() -> Table:
-    root = (
-        "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    )
-    directory = _owners.per_user_dir(root, f"blobdata-{os.geteuid()}")
+    directory = shm.user_dir()
     if directory is not None:
         with contextlib.suppress(OSError):
             return Table(os.path.join(directory, "throttle-v1.bin"))

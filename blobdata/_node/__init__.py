@@ -1,15 +1,28 @@
-"""State shared by the processes of one node and owned by one user: who owns what, and sweeping
-what dead owners left.
+"""State shared by the processes of one node and owned by one user: where it lives (one directory
+per user, one naming rule), who owns what, and sweeping what dead owners left.
 
 =================  ==========================================================================
 module             its one job
 =================  ==========================================================================
+``shm``            ``/dev/shm/blobdata-<uid>/``: the root, the naming rule, owned dirs, the sweep
 ``owners``         is the process that left shared state behind still running (pid, start time)
 =================  ==========================================================================
 """
 
 from __future__ import annotations
 
+from . import shm
 from .owners import alive, per_user_dir, remove_owned_tree, started
+from .shm import make_owned_dir, shm_root, sweep, user_dir
 
-__all__ = ["alive", "per_user_dir", "remove_owned_tree", "started"]
+__all__ = [
+    "alive",
+    "make_owned_dir",
+    "per_user_dir",
+    "remove_owned_tree",
+    "shm",
+    "shm_root",
+    "started",
+    "sweep",
+    "user_dir",
+]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import botocore.exceptions
@@ -107,7 +107,7 @@ def test_azure_http_errors_by_status() -> None:
     class _Response:
         status_code = 404
         reason = "Not Found"
-        headers: dict[str, str] = {}
+        headers: ClassVar[dict[str, str]] = {}
 
         def text(self) -> str:
             return ""

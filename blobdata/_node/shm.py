@@ -1,0 +1,81 @@
+"""Where the node's shared state lives, and its one naming rule.
+
+Everything blobdata shares between the processes of a node lives in one directory per user,
+``<root>/blobdata-<uid>/`` (mode 0700, checked without following links by
+:func:`~blobdata._node.owners.per_user_dir`), where ``<root>`` is ``/dev/shm`` (memory: the plans and
+counters of a running loader are rewritten every epoch) or, where there is none, the temporary
+directory. Inside it, names say what a thing is and who made it:
+
+======================  ====================================================================
+``throttle-v1.bin``     the node's throttle table (one per user, shared by every process)
+``plan-<pid>-<rand>/``  one loader's plan channel and its processes' counters
+======================  ====================================================================
+
+A thing named ``<kind>-<pid>-...`` belongs to the process ``pid``; once that process is gone,
+:func:`sweep` removes it (a process killed by SIGKILL cannot remove its own, and ``/dev/shm`` is memory).
+Nothing outside this user's directory is ever swept.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from .. import _process
+from .owners import alive, per_user_dir, remove_owned_tree
+
+__all__ = ["make_owned_dir", "shm_root", "sweep", "user_dir"]
+
+_SHM = "/dev/shm"
+
+
+def shm_root() -> str:
+    """``/dev/shm`` where it is a directory this process may write, else the temporary directory."""
+    if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK):
+        return _SHM
+    return tempfile.gettempdir()
+
+
+def user_dir(root: str | None = None) -> str | None:
+    """This user's directory of node-shared state (made if missing, mode 0700); None when the path
+    is something else (a link, another user's, open to others): then nothing is shared."""
+    return per_user_dir(root or shm_root(), f"blobdata-{os.geteuid()}")
+
+
+def make_owned_dir(kind: str, root: str | None = None) -> str:
+    """A new directory ``<kind>-<pid>-<random>`` (mode 0700) of this process in this user's directory,
+    after sweeping those of dead processes; in ``root`` itself when the user's directory is unusable."""
+    parent = user_dir(root) or root or shm_root()
+    sweep(kind, parent)
+    path = tempfile.mkdtemp(prefix=f"{kind}-{_process.pid()}-", dir=parent)
+    os.chmod(path, 0o700)
+    return path
+
+
+def sweep(kind: str, parent: str | None = None) -> list[str]:
+    """Remove the directories ``<kind>-<pid>-*`` in ``parent`` (this user's directory by default) whose
+    process is gone: a pid now held by a process that started after the directory was last written is
+    another process, so its owner is gone too. Only this user's directories, never through a link.
+    Returns the paths removed."""
+    parent = parent or user_dir()
+    removed: list[str] = []
+    if parent is None:
+        return removed
+    prefix = f"{kind}-"
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    uid = os.geteuid()
+    for name in names:
+        pid_text = name[len(prefix) :].partition("-")[0]
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not pid_text.isdigit() or st.st_uid != uid or int(pid_text) == _process.pid():
+            continue
+        if not alive(int(pid_text), since=st.st_mtime) and remove_owned_tree(path):
+            removed.append(path)
+    return removed
