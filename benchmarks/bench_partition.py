@@ -23,7 +23,7 @@ reads per epoch when every node has a cache smaller than the dataset.
 
     python benchmarks/bench_partition.py [--quick] [--json out.json] [--parts quality,cost,model,cache]
 
-A benchmark prints; it asserts nothing. ``--quick`` runs small sizes (tests/test_partition_bench.py).
+A benchmark prints; it asserts nothing. ``--quick`` runs small sizes (tests/sampling/test_partition_bench.py).
 """
 
 from __future__ import annotations

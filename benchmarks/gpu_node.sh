@@ -104,8 +104,8 @@ gpu)
     else
         # 60 s of tests, then the benchmark's own budget (470 s): inside one 10-minute call, and each
         # stage is in $RESULTS/gpu_node.json as soon as it is measured.
-        run gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_path.py tests/test_gpu_loader.py \
-            tests/test_gpu_decoders.py tests/test_gpu_pipeline.py || true
+        run gpu-tests 60 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_path.py tests/gpu/test_gpu_loader.py \
+            tests/gpu/test_gpu_decoders.py tests/gpu/test_gpu_pipeline.py || true
         run bench-gpu 500 python3 benchmarks/bench_gpu.py --out "$RESULTS" --budget 470 --client-cpus 0-11 \
             --server-cpus 12-15 --workers 10
     fi

@@ -70,7 +70,7 @@ def test_imagefolder_style_path_loader(tmp_path: Path) -> None:
     ds = FolderDataset(_tree(tmp_path / "d"), loader=by_path, lookahead=0)
     assert ds[0][0] == b"x0"  # before: TypeError, open() got an ObjectFile
     # A local folder's loader gets the file itself, as ImageFolder's does (issue 22; a bucket object's
-    # is a temporary copy, removed: tests/test_imagefolder.py).
+    # is a temporary copy, removed: tests/dataset/test_imagefolder.py).
     assert seen and seen[0] == ds.samples[0][0] and os.path.exists(seen[0])
 
 

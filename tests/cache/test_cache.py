@@ -37,7 +37,7 @@ from blobdata._cache.packs import aligned, parse_slice, punch, punch_supported
 from blobdata._cache.values import HEADER, Corrupt, Refused, checksum, key_of, write_value_file
 from blobdata._errors import CacheError, ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIG = 100_000  # stored as a value file
 SMALL = 1_000  # stored inline in the index
 

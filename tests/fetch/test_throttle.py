@@ -37,7 +37,7 @@ _HEAD, _OWNERS0, K_FIELDS, K_ID = throttle._HEAD, throttle._OWNERS0, throttle.K_
 O_FIELDS, O_KEY, O_PID = throttle.O_FIELDS, throttle.O_KEY, throttle.O_PID
 OWNERS, STORES = throttle.OWNERS, throttle.STORES
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 N, SIZE, RATE = 600, 2000, 150.0
 
 

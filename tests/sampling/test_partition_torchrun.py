@@ -13,8 +13,8 @@ import pytest
 from blobdata import BlobCache
 from blobdata._sampling import node_share
 from tests.conftest import S3Proxy
+from tests.listing.test_distributed import _env, _finish, _free_port, _logs, _torchrun
 from tests.support.buckets import TestBucket
-from tests.test_distributed import _env, _finish, _free_port, _logs, _torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from blobdata._cli import main, run_bench
-from tests.test_cli import option_args
+from tests.cli.test_cli import option_args
 
 pytestmark = pytest.mark.timeout(180)
 

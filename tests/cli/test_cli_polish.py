@@ -12,7 +12,7 @@ import pytest
 from blobdata import __version__
 from blobdata._cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tree(root: Path, n: int = 40, classes: int = 20) -> Path:

@@ -22,7 +22,7 @@ from tests.support.buckets import TestBucket
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 N = 48  # samples; batch 4
 RUN_TIMEOUT = 150.0

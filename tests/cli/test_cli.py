@@ -25,7 +25,7 @@ _ByteBudget = warm._ByteBudget
 
 pytestmark = pytest.mark.usefixtures("isolated_cache_home")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLASSES = ("cat", "dog", "eel")
 
 

@@ -32,7 +32,7 @@ LOGGERS = (
     "google", "fsspec", "aiohttp", "adlfs",
 )  # fmt: skip
 FAST: dict[str, Any] = {"backoff": 0.01, "max_backoff": 0.05, "timeout": 15.0, "attempts": 2}
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from blobdata import BlobCache
 from blobdata._cache import SLACK_BYTES, Policy
 from blobdata._cli import main
 from blobdata._sampling import node_share
-from tests.test_cache import value, value_bytes
+from tests.cache.test_cache import value, value_bytes
 
 PACKED = 40_000  # a value in a pack file
 SMALL = 1_000  # inline in the index
