@@ -2,10 +2,16 @@
 
 The default loader decodes with Pillow to RGB straight from memory (no temporary file), accepts only
 the image formats ImageFolder's extensions name (no EPS/PDF/other plugins reached through Pillow's
-content sniffing), and treats Pillow's decompression-bomb guard as an error rather than a warning.
-A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` that is also the object's
-path), so loaders written for file objects (``PIL.Image.open``) and for paths (``cv2.imread(str(p))``,
-``open(p)``) both work.
+content sniffing), treats Pillow's decompression-bomb guard as an error rather than a warning, and
+refuses a JPEG with more scans than :data:`blobdata._decode.jpeg.MAX_SCANS` (a scan bomb) before
+decoding it. A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` that is also the
+object's path), so loaders written for file objects (``f.read()``) and for paths (``cv2.imread(str(p))``,
+``open(p)``) both work; only a loader that asks for the path pays for a temporary copy (note that
+``PIL.Image.open(f)`` asks: Pillow opens anything path-like by path).
+
+A copy is private (mode 0600) and removed when the loader returns; a process killed meanwhile leaves
+it behind, so the first copy a process makes sweeps this user's copies whose process is gone
+(:func:`sweep_dead_copies`), as new plan channels sweep the plan directories of dead loaders.
 """
 
 from __future__ import annotations
@@ -13,16 +19,20 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import stat
 import tempfile
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 from PIL import Image, UnidentifiedImageError
 
+from .. import _node as _owners
+from .. import _process
 from .._errors import DecodeError
+from . import jpeg as _jpeg
 
-__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader"]
+__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader", "sweep_dead_copies"]
 
 # Pillow format names for ImageFolder's extensions (.jpg .jpeg .png .ppm .pgm .bmp .tif .tiff .webp).
 IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
@@ -34,9 +44,9 @@ class ObjectFile(io.BytesIO):
 
     It is also a path, as ImageFolder's loaders expect: ``os.fspath(f)``, ``str(f)`` and ``open(f)``
     give the file itself for a local folder, and for a bucket a private temporary copy of the bytes
-    (mode 0600, same file suffix as the object), removed when the loader returns; ``str``'s methods
-    (``f.lower()``, ``f.endswith(".png")``) act on that path. Loaders that read the file object pay
-    nothing for it.
+    (mode 0600, same file suffix as the object), made at the first such call and removed when the
+    loader returns; ``str``'s methods (``f.lower()``, ``f.endswith(".png")``) act on that path. Loaders
+    that read the file object (and the default loader) pay nothing for it.
     """
 
     def __init__(self, data: bytes, url: str, path: str | None = None) -> None:
@@ -65,8 +75,14 @@ class ObjectFile(io.BytesIO):
         if self._local is not None:
             return self._local
         if self._path is None:
+            global _swept
+            root = _tmp_dir()
+            if not _swept:
+                _swept = True
+                sweep_dead_copies(root)
             suffix = os.path.splitext(self.url.rsplit("/", 1)[-1])[1][:16]
-            fd, path = tempfile.mkstemp(prefix="blobdata-", suffix=suffix, dir=_tmp_dir())
+            prefix = f"{_COPY_PREFIX}{_process.pid()}-"
+            fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=root)
             try:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(self.getbuffer())
@@ -88,17 +104,59 @@ class ObjectFile(io.BytesIO):
 _STR_ONLY = frozenset(n for n in dir(str) if not n.startswith("_")) - frozenset(dir(io.BytesIO))
 
 
-def _tmp_dir() -> str | None:
+def _tmp_dir() -> str:
     shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
 
 
-def default_loader(file: ObjectFile) -> Image.Image:
-    """Decode an image object to an RGB ``PIL.Image`` (formats limited to :data:`IMAGE_FORMATS`)."""
+# Temporary copies are named blobdata-copy-<pid>-<random><suffix>: the pid says whose they are.
+_COPY_PREFIX = "blobdata-copy-"
+_swept = False
+
+
+def sweep_dead_copies(root: str | None = None) -> list[str]:
+    """Remove this user's temporary copies (``blobdata-copy-<pid>-*`` in ``/dev/shm``, or the temporary
+    directory) whose process is gone: one killed while its loader read a copy could not remove it. A
+    pid now held by a process that started after the copy was written is another process. Returns the
+    paths removed."""
+    root = root or _tmp_dir()
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_COPY_PREFIX)]
+    except OSError:
+        return removed
+    uid, me = os.geteuid(), _process.pid()
+    for name in names:
+        pid_text = name[len(_COPY_PREFIX) :].partition("-")[0]
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)  # a link or another user's file is left alone
+        except OSError:
+            continue
+        if not pid_text.isdigit() or not stat.S_ISREG(st.st_mode) or st.st_uid != uid or int(pid_text) == me:
+            continue
+        if not _owners.alive(int(pid_text), since=st.st_mtime):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+def default_loader(file: ObjectFile | IO[bytes]) -> Image.Image:
+    """Decode an image object to an RGB ``PIL.Image`` (formats limited to :data:`IMAGE_FORMATS`), from
+    memory; a JPEG with more than :data:`blobdata._decode.jpeg.MAX_SCANS` scans is refused first."""
+    if isinstance(file, io.BytesIO):
+        data = file.getvalue()  # an ObjectFile's own bytes: no copy
+        url = file.url if isinstance(file, ObjectFile) else str(getattr(file, "name", "<bytes>"))
+    else:
+        file.seek(0)
+        data, url = file.read(), str(getattr(file, "name", "<file>"))
+    _jpeg.check(data, url, libjpeg=True)
     with warnings.catch_warnings():
         # Pillow warns between 1x and 2x MAX_IMAGE_PIXELS and raises above: both are refusals here.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(file, formats=IMAGE_FORMATS) as img:
+        # A plain BytesIO: an ObjectFile is path-like, and Pillow opens those by path (a copy on disk).
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             img.load()
             rgb: Image.Image = img.convert("RGB")
             return rgb
