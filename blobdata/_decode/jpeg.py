@@ -84,7 +84,7 @@ def walk(data: Data, *, header_only: bool = False, libjpeg: bool = False) -> Mar
     """
     buf = data if isinstance(data, bytes | bytearray) else memoryview(data).cast("B")  # type: ignore[arg-type]
     n = len(buf)
-    if n < 4 or buf[0] != 0xFF or buf[1] != 0xD8:
+    if n < 2 or buf[0] != 0xFF or buf[1] != 0xD8:
         return None
     height = width = frames = scans = components = 0
     gpu = adobe_rgb = progressive = False
