@@ -132,9 +132,9 @@ def walk(data: Data, *, header_only: bool = False, libjpeg: bool = False) -> Mar
             scans += 1
             if header_only:
                 break
-            if libjpeg and scans == 1 and frames == 1 and not progressive and i + 2 < n:
-                if buf[i + 2] == components:  # one interleaved scan: the only one libjpeg decodes
-                    break
+            one_pass = libjpeg and scans == 1 and frames == 1 and not progressive
+            if one_pass and i + 2 < n and buf[i + 2] == components:
+                break  # one interleaved scan of a sequential JPEG: the only one libjpeg decodes
             # The scan's entropy-coded data runs from the end of its header to the next marker.
             found = _END_OF_DATA.search(buf, i + max(length, 2))
             if found is None:

@@ -9,17 +9,18 @@ object's path), so loaders written for file objects (``f.read()``) and for paths
 ``open(p)``) both work; only a loader that asks for the path pays for a temporary copy (note that
 ``PIL.Image.open(f)`` asks: Pillow opens anything path-like by path).
 
-A copy is private (mode 0600) and removed when the loader returns; a process killed meanwhile leaves
-it behind, so the first copy a process makes sweeps this user's copies whose process is gone
-(:func:`sweep_dead_copies`), as new plan channels sweep the plan directories of dead loaders.
+A copy is private (mode 0600, in a 0700 directory of the process's own under ``/dev/shm/blobdata-<uid>/``)
+and removed when the loader returns; a process killed meanwhile leaves it behind, so the first copy a
+process makes sweeps the copy directories of this user's dead processes (:func:`sweep_dead_copies`), as
+a new plan channel sweeps those of dead loaders.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
-import stat
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -27,8 +28,7 @@ from typing import IO, Any
 
 from PIL import Image, UnidentifiedImageError
 
-from .. import _node as _owners
-from .. import _process
+from .. import _node, _process
 from .._errors import DecodeError
 from . import jpeg as _jpeg
 
@@ -75,14 +75,8 @@ class ObjectFile(io.BytesIO):
         if self._local is not None:
             return self._local
         if self._path is None:
-            global _swept
-            root = _tmp_dir()
-            if not _swept:
-                _swept = True
-                sweep_dead_copies(root)
             suffix = os.path.splitext(self.url.rsplit("/", 1)[-1])[1][:16]
-            prefix = f"{_COPY_PREFIX}{_process.pid()}-"
-            fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=root)
+            fd, path = tempfile.mkstemp(prefix="object-", suffix=suffix, dir=_copies_dir())
             try:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(self.getbuffer())
@@ -104,42 +98,33 @@ class ObjectFile(io.BytesIO):
 _STR_ONLY = frozenset(n for n in dir(str) if not n.startswith("_")) - frozenset(dir(io.BytesIO))
 
 
-def _tmp_dir() -> str:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+# A process's copies live in its own directory of the node's shared state (``_node.shm``):
+# ``copies-<pid>-<random>/`` in ``/dev/shm/blobdata-<uid>/``, made at its first copy, which first sweeps
+# those of dead processes (a worker killed mid-decode cannot remove its copy).
+_COPIES_KIND = "copies"
+_copies: tuple[int, str] | None = None  # (the process, its directory)
 
 
-# Temporary copies are named blobdata-copy-<pid>-<random><suffix>: the pid says whose they are.
-_COPY_PREFIX = "blobdata-copy-"
-_swept = False
+def _copies_dir() -> str:
+    global _copies
+    pid = _process.pid()
+    if _copies is None or _copies[0] != pid or not os.path.isdir(_copies[1]):  # a forked child: its own
+        path = _node.make_owned_dir(_COPIES_KIND)
+        atexit.register(_remove_if_owner, path, pid)
+        _copies = (pid, path)
+    return _copies[1]
 
 
-def sweep_dead_copies(root: str | None = None) -> list[str]:
-    """Remove this user's temporary copies (``blobdata-copy-<pid>-*`` in ``/dev/shm``, or the temporary
-    directory) whose process is gone: one killed while its loader read a copy could not remove it. A
-    pid now held by a process that started after the copy was written is another process. Returns the
-    paths removed."""
-    root = root or _tmp_dir()
-    removed: list[str] = []
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(_COPY_PREFIX)]
-    except OSError:
-        return removed
-    uid, me = os.geteuid(), _process.pid()
-    for name in names:
-        pid_text = name[len(_COPY_PREFIX) :].partition("-")[0]
-        path = os.path.join(root, name)
-        try:
-            st = os.lstat(path)  # a link or another user's file is left alone
-        except OSError:
-            continue
-        if not pid_text.isdigit() or not stat.S_ISREG(st.st_mode) or st.st_uid != uid or int(pid_text) == me:
-            continue
-        if not _owners.alive(int(pid_text), since=st.st_mtime):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(path)
-    return removed
+def _remove_if_owner(path: str, pid: int) -> None:
+    if _process.pid() == pid:
+        _node.remove_owned_tree(path)
+
+
+def sweep_dead_copies(parent: str | None = None) -> list[str]:
+    """Remove the copy directories (``copies-<pid>-*``, this user's) of processes that are gone, in
+    ``parent`` (the node's directory of this user by default); the paths removed. A process's first
+    copy does this."""
+    return _node.sweep(_COPIES_KIND, parent)
 
 
 def default_loader(file: ObjectFile | IO[bytes]) -> Image.Image:

@@ -64,7 +64,19 @@ def _written() -> Iterator[list[str]]:
 
 
 def _copies() -> set[str]:
-    return {os.path.join(r, n) for r in _ROOTS for n in os.listdir(r) if n.startswith("blobdata-copy-")}
+    """Every file in a copy directory of this user's (``<root>/blobdata-<uid>/copies-<pid>-*/``)."""
+    out = set()
+    for root in _ROOTS:
+        mine = os.path.join(root, f"blobdata-{os.geteuid()}")
+        for d in os.listdir(mine) if os.path.isdir(mine) else ():
+            if d.startswith("copies-"):
+                out |= {os.path.join(mine, d, n) for n in os.listdir(os.path.join(mine, d))}
+    return out
+
+
+def _copy_of(path: str, pid: int) -> bool:
+    """Whether ``path`` is a temporary copy made by process ``pid``."""
+    return os.path.basename(os.path.dirname(path)).startswith(f"copies-{pid}-")
 
 
 def _objects() -> dict[str, bytes]:
@@ -94,8 +106,7 @@ def test_the_default_loader_writes_no_file_while_decoding_a_bucket_object(s3_buc
     by_path[0]
     with _written() as written:
         assert by_path[1][0] == objects[_key(by_path, 1)]
-    assert len(written) == 1 and os.path.basename(written[0]).startswith(f"blobdata-copy-{os.getpid()}-")
-    assert not os.path.exists(written[0])
+    assert len(written) == 1 and _copy_of(written[0], os.getpid()) and not os.path.exists(written[0])
 
 
 def _key(ds: FolderDataset, i: int) -> str:
@@ -143,7 +154,7 @@ def test_a_loader_asking_for_a_path_works_and_leaves_no_file(s3_bucket: Any) -> 
                            on_error="skip")  # fmt: skip
     assert broken.__getitems__(list(range(len(objects)))) == [] and len(broken.errors) == len(objects)
     assert len(made) == 3 * len(objects) + 1 + len(objects)
-    assert all(os.path.basename(p).startswith("blobdata-copy-") for p in made)
+    assert all(_copy_of(p, os.getpid()) for p in made)
     assert not any(os.path.exists(p) for p in made)  # each removed when its loader returned or raised
     assert _copies() == before
 
@@ -189,9 +200,10 @@ def test_a_copy_left_by_a_killed_process_is_swept_by_the_next_copy() -> None:
     try:
         assert holder.stdout is not None
         left = holder.stdout.readline().strip()
-        assert os.path.basename(left).startswith(f"blobdata-copy-{holder.pid}-") and os.path.exists(left)
-        assert sweep_dead_copies(os.path.dirname(left)) == []  # its owner still runs: kept
-        assert os.path.exists(left)
+        assert _copy_of(left, holder.pid) and os.path.exists(left)
+        parent = os.path.dirname(os.path.dirname(left))  # /dev/shm/blobdata-<uid>
+        assert parent.endswith(f"blobdata-{os.geteuid()}") and oct(os.stat(left).st_mode & 0o777) == "0o600"
+        assert sweep_dead_copies(parent) == []  # its owner still runs: kept
     finally:
         holder.kill()  # SIGKILL mid-decode: the copy stays behind
         holder.communicate(timeout=30)
@@ -199,31 +211,30 @@ def test_a_copy_left_by_a_killed_process_is_swept_by_the_next_copy() -> None:
     nxt = _python(_ASK, stdout=subprocess.PIPE)
     out, _ = nxt.communicate(timeout=60)
     assert nxt.returncode == 0 and out.strip() == "abc"
-    assert not os.path.exists(left)  # the next process's first copy swept it
+    assert not os.path.exists(left) and not os.path.exists(os.path.dirname(left))  # swept by the next copy
 
 
-def test_the_sweep_removes_only_this_users_dead_owners_regular_files(tmp_path: Path) -> None:
+def test_the_sweep_removes_only_dead_owners_copy_directories(tmp_path: Path) -> None:
     dead = _python("pass")
     dead.wait(30)
     alive = _python("import time; time.sleep(60)")
     try:
         names = {
-            "dead": f"blobdata-copy-{dead.pid}-a.jpg",
-            "alive": f"blobdata-copy-{alive.pid}-b.jpg",
-            "mine": f"blobdata-copy-{os.getpid()}-c.jpg",
-            "other": f"blobdata-plan-{dead.pid}-d",
-            "odd": "blobdata-copy-x-e.jpg",
+            "dead": f"copies-{dead.pid}-a",
+            "alive": f"copies-{alive.pid}-b",
+            "mine": f"copies-{os.getpid()}-c",
+            "plan": f"plan-{dead.pid}-d",
+            "odd": "copies-x-e",
         }
         for name in names.values():
-            (tmp_path / name).write_bytes(b"x")
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "object-1.jpg").write_bytes(b"x")
         target = tmp_path / "target"
-        target.write_bytes(b"keep me")
-        (tmp_path / f"blobdata-copy-{dead.pid}-link.jpg").symlink_to(target)
-        removed = sweep_dead_copies(str(tmp_path))
-        assert removed == [str(tmp_path / names["dead"])]
+        target.mkdir()
+        (tmp_path / f"copies-{dead.pid}-link").symlink_to(target)
+        assert sweep_dead_copies(str(tmp_path)) == [str(tmp_path / names["dead"])]
         left = {p.name for p in tmp_path.iterdir()}
-        assert left == {*names.values(), "target", f"blobdata-copy-{dead.pid}-link.jpg"} - {names["dead"]}
-        assert target.read_bytes() == b"keep me"
+        assert left == {*names.values(), "target", f"copies-{dead.pid}-link"} - {names["dead"]}
     finally:
         alive.kill()
         alive.wait(30)
