@@ -87,8 +87,8 @@ def main() -> None:
             best[name] = min(best[name], spent[name] / len(datas))
     kb = np.mean([len(d) for d in datas]) / 1e3
     kind = "progressive" if args.progressive else "baseline"
-    print(f"{len(datas)} {kind} JPEGs, {args.side}x{args.side} px, {kb:.0f} KB on average; CPU time per image, "
-          f"best of {args.rounds} rounds (variants in turns, image by image):")  # fmt: skip
+    print(f"{len(datas)} {kind} JPEGs, {args.side}x{args.side} px, {kb:.0f} KB on average; CPU time per "
+          f"image, best of {args.rounds} rounds (variants in turns, image by image):")  # fmt: skip
     base = best["pillow"]
     for name, s in best.items():
         print(f"  {name:8s} {s * 1e3:7.3f} ms  {s / base:5.3f}x plain Pillow")
