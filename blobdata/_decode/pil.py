@@ -17,9 +17,9 @@ a new plan channel sweeps those of dead loaders.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import io
+import multiprocessing.util
 import os
 import tempfile
 import warnings
@@ -110,7 +110,9 @@ def _copies_dir() -> str:
     pid = _process.pid()
     if _copies is None or _copies[0] != pid or not os.path.isdir(_copies[1]):  # a forked child: its own
         path = _node.make_owned_dir(_COPIES_KIND)
-        atexit.register(_remove_if_owner, path, pid)
+        # Removed when this process ends: at exit, and in a DataLoader worker, which ends by os._exit
+        # after running multiprocessing's finalizers (an atexit hook would not run there).
+        multiprocessing.util.Finalize(None, _remove_if_owner, args=(path, pid), exitpriority=0)
         _copies = (pid, path)
     return _copies[1]
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 import blobdata
@@ -169,6 +170,31 @@ def test_a_copy_is_private_and_made_once_per_sample() -> None:
     assert decode(b"bytes of an object", "s3://b/x/y.png", loader) == 0o600
     assert len(set(paths)) == 1 and paths[0].endswith(".png") and not os.path.exists(paths[0])
     assert decode(b"\x89PNG", "s3://b/x/y.png", lambda f: f.read()) == b"\x89PNG"  # no path asked: none
+
+
+class _PathLoaderDataset(torch.utils.data.Dataset[str]):
+    """Each sample: the path a path-asking loader was given, in the worker that decoded it."""
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> str:
+        def loader(f: Any) -> str:
+            with open(f, "rb") as fh:
+                assert fh.read() == b"abc"
+            return os.fspath(f)
+
+        return str(decode(b"abc", f"s3://b/c/{i}.jpg", loader))
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_remove_their_copy_directories_when_they_end() -> None:
+    loader = torch.utils.data.DataLoader(_PathLoaderDataset(), batch_size=2, num_workers=2)
+    paths = [p for batch in loader for p in batch]
+    dirs = {os.path.dirname(p) for p in paths}
+    assert len(paths) == 6 and len(dirs) == 2  # one directory per worker
+    assert not any(os.path.exists(p) for p in paths)
+    assert not any(os.path.exists(d) for d in dirs)  # removed as each worker ended, not left to a sweep
 
 
 # -- copies left by killed processes ------------------------------------------------------------------
