@@ -17,7 +17,8 @@ Use it as the dataset's ``transform``; a dataset hands the bytes to any transfor
     ds = FolderDataset("s3://bucket/imagenet/train", transform=RandomResizedCrop(224))
 
 PNG and other formats are decoded in full and cropped the same way; grayscale and CMYK images are
-converted to RGB.
+converted to RGB. A JPEG with more scans than ``blobdata._decode.jpeg.MAX_SCANS`` (a scan bomb: its
+decoding cost is blocks x scans) is refused before anything is decoded, as the default loader refuses it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from ._decode import IMAGE_FORMATS
+from ._decode import IMAGE_FORMATS, check_jpeg
 
 __all__ = ["DecodeAware", "RandomResizedCrop"]
 
@@ -122,6 +123,7 @@ class RandomResizedCrop:
     def decode_and_apply(self, data: bytes, url: str) -> torch.Tensor:
         """Decode ``data`` (the bytes of ``url``) at the smallest scale the crop allows, then crop,
         resize and flip."""
+        check_jpeg(data, url, libjpeg=True)  # a scan bomb is refused before libjpeg spends minutes on it
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:

@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "_metrics": set(),
     "_stores": set(),
     "_cache": set(),
-    "_decode": set(),
+    "_decode": {"_node"},
     "_fetch": {"_node", "_metrics", "_stores"},
     "_listing": {"_metrics", "_stores"},
     "_sampling": {"_listing"},

@@ -5,11 +5,25 @@ the URL.
 module             its one job
 =================  ==========================================================================
 ``pil``            the default loader (Pillow, from memory), :class:`ObjectFile` for users' loaders
+``jpeg``           a JPEG's markers before decoding: every frame's size, the scans (scan bombs refused)
 =================  ==========================================================================
 """
 
 from __future__ import annotations
 
-from .pil import IMAGE_FORMATS, ObjectFile, decode, decode_with, default_loader
+from .jpeg import Markers
+from .jpeg import check as check_jpeg
+from .jpeg import walk as walk_jpeg
+from .pil import IMAGE_FORMATS, ObjectFile, decode, decode_with, default_loader, sweep_dead_copies
 
-__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader"]
+__all__ = [
+    "IMAGE_FORMATS",
+    "Markers",
+    "ObjectFile",
+    "check_jpeg",
+    "decode",
+    "decode_with",
+    "default_loader",
+    "sweep_dead_copies",
+    "walk_jpeg",
+]

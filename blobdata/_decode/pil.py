@@ -2,27 +2,37 @@
 
 The default loader decodes with Pillow to RGB straight from memory (no temporary file), accepts only
 the image formats ImageFolder's extensions name (no EPS/PDF/other plugins reached through Pillow's
-content sniffing), and treats Pillow's decompression-bomb guard as an error rather than a warning.
-A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` that is also the object's
-path), so loaders written for file objects (``PIL.Image.open``) and for paths (``cv2.imread(str(p))``,
-``open(p)``) both work.
+content sniffing), treats Pillow's decompression-bomb guard as an error rather than a warning, and
+refuses a JPEG with more scans than :data:`blobdata._decode.jpeg.MAX_SCANS` (a scan bomb) before
+decoding it. A custom ``loader`` receives the same :class:`ObjectFile` (a ``BytesIO`` that is also the
+object's path), so loaders written for file objects (``f.read()``) and for paths (``cv2.imread(str(p))``,
+``open(p)``) both work; only a loader that asks for the path pays for a temporary copy (note that
+``PIL.Image.open(f)`` asks: Pillow opens anything path-like by path).
+
+A copy is private (mode 0600, in a 0700 directory of the process's own under ``/dev/shm/blobdata-<uid>/``)
+and removed when the loader returns; a process killed meanwhile leaves it behind, so the first copy a
+process makes sweeps the copy directories of this user's dead processes (:func:`sweep_dead_copies`), as
+a new plan channel sweeps those of dead loaders.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing.util
 import os
 import tempfile
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
 from PIL import Image, UnidentifiedImageError
 
+from .. import _node, _process
 from .._errors import DecodeError
+from . import jpeg as _jpeg
 
-__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader"]
+__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader", "sweep_dead_copies"]
 
 # Pillow format names for ImageFolder's extensions (.jpg .jpeg .png .ppm .pgm .bmp .tif .tiff .webp).
 IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
@@ -34,9 +44,9 @@ class ObjectFile(io.BytesIO):
 
     It is also a path, as ImageFolder's loaders expect: ``os.fspath(f)``, ``str(f)`` and ``open(f)``
     give the file itself for a local folder, and for a bucket a private temporary copy of the bytes
-    (mode 0600, same file suffix as the object), removed when the loader returns; ``str``'s methods
-    (``f.lower()``, ``f.endswith(".png")``) act on that path. Loaders that read the file object pay
-    nothing for it.
+    (mode 0600, same file suffix as the object), made at the first such call and removed when the
+    loader returns; ``str``'s methods (``f.lower()``, ``f.endswith(".png")``) act on that path. Loaders
+    that read the file object (and the default loader) pay nothing for it.
     """
 
     def __init__(self, data: bytes, url: str, path: str | None = None) -> None:
@@ -66,7 +76,7 @@ class ObjectFile(io.BytesIO):
             return self._local
         if self._path is None:
             suffix = os.path.splitext(self.url.rsplit("/", 1)[-1])[1][:16]
-            fd, path = tempfile.mkstemp(prefix="blobdata-", suffix=suffix, dir=_tmp_dir())
+            fd, path = tempfile.mkstemp(prefix="object-", suffix=suffix, dir=_copies_dir())
             try:
                 with os.fdopen(fd, "wb") as fh:
                     fh.write(self.getbuffer())
@@ -88,17 +98,52 @@ class ObjectFile(io.BytesIO):
 _STR_ONLY = frozenset(n for n in dir(str) if not n.startswith("_")) - frozenset(dir(io.BytesIO))
 
 
-def _tmp_dir() -> str | None:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+# A process's copies live in its own directory of the node's shared state (``_node.shm``):
+# ``copies-<pid>-<random>/`` in ``/dev/shm/blobdata-<uid>/``, made at its first copy, which first sweeps
+# those of dead processes (a worker killed mid-decode cannot remove its copy).
+_COPIES_KIND = "copies"
+_copies: tuple[int, str] | None = None  # (the process, its directory)
 
 
-def default_loader(file: ObjectFile) -> Image.Image:
-    """Decode an image object to an RGB ``PIL.Image`` (formats limited to :data:`IMAGE_FORMATS`)."""
+def _copies_dir() -> str:
+    global _copies
+    pid = _process.pid()
+    if _copies is None or _copies[0] != pid or not os.path.isdir(_copies[1]):  # a forked child: its own
+        path = _node.make_owned_dir(_COPIES_KIND)
+        # Removed when this process ends: at exit, and in a DataLoader worker, which ends by os._exit
+        # after running multiprocessing's finalizers (an atexit hook would not run there).
+        multiprocessing.util.Finalize(None, _remove_if_owner, args=(path, pid), exitpriority=0)
+        _copies = (pid, path)
+    return _copies[1]
+
+
+def _remove_if_owner(path: str, pid: int) -> None:
+    if _process.pid() == pid:
+        _node.remove_owned_tree(path)
+
+
+def sweep_dead_copies(parent: str | None = None) -> list[str]:
+    """Remove the copy directories (``copies-<pid>-*``, this user's) of processes that are gone, in
+    ``parent`` (the node's directory of this user by default); the paths removed. A process's first
+    copy does this."""
+    return _node.sweep(_COPIES_KIND, parent)
+
+
+def default_loader(file: ObjectFile | IO[bytes]) -> Image.Image:
+    """Decode an image object to an RGB ``PIL.Image`` (formats limited to :data:`IMAGE_FORMATS`), from
+    memory; a JPEG with more than :data:`blobdata._decode.jpeg.MAX_SCANS` scans is refused first."""
+    if isinstance(file, io.BytesIO):
+        data = file.getvalue()  # an ObjectFile's own bytes: no copy
+        url = file.url if isinstance(file, ObjectFile) else str(getattr(file, "name", "<bytes>"))
+    else:
+        file.seek(0)
+        data, url = file.read(), str(getattr(file, "name", "<file>"))
+    _jpeg.check(data, url, libjpeg=True)
     with warnings.catch_warnings():
         # Pillow warns between 1x and 2x MAX_IMAGE_PIXELS and raises above: both are refusals here.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(file, formats=IMAGE_FORMATS) as img:
+        # A plain BytesIO: an ObjectFile is path-like, and Pillow opens those by path (a copy on disk).
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             img.load()
             rgb: Image.Image = img.convert("RGB")
             return rgb

@@ -6,10 +6,11 @@ Everything blobdata shares between the processes of a node lives in one director
 counters of a running loader are rewritten every epoch) or, where there is none, the temporary
 directory. Inside it, names say what a thing is and who made it:
 
-======================  ====================================================================
-``throttle-v1.bin``     the node's throttle table (one per user, shared by every process)
-``plan-<pid>-<rand>/``  one loader's plan channel and its processes' counters
-======================  ====================================================================
+========================  ====================================================================
+``throttle-v1.bin``       the node's throttle table (one per user, shared by every process)
+``plan-<pid>-<rand>/``    one loader's plan channel and its processes' counters
+``copies-<pid>-<rand>/``  one process's temporary copies of objects, for a ``loader=`` that asks for a path
+========================  ====================================================================
 
 A thing named ``<kind>-<pid>-...`` belongs to the process ``pid``; once that process is gone,
 :func:`sweep` removes it (a process killed by SIGKILL cannot remove its own, and ``/dev/shm`` is memory).

@@ -29,7 +29,7 @@ import torch
 from .._errors import BlobdataError, ConfigError
 from . import _decoders
 from ._batch import CPU, GPU, decode_views, join
-from ._jpeg import check_pixels, read_header
+from ._jpeg import check_header
 from ._transform import IMAGENET_MEAN, IMAGENET_STD, TrainTransform
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "TrainTransform", "check_device", "decode_batch", "decode_each"]
@@ -89,10 +89,9 @@ def decode_each(
     out: list[torch.Tensor | BlobdataError | None] = [None] * len(views)
     kinds, shapes = [], []
     for k, (view, url) in enumerate(zip(views, urls, strict=True)):
-        header = read_header(view)
+        header = None
         try:
-            if header is not None and header.gpu:
-                check_pixels(header.height, header.width, url)  # before a GPU decoder allocates it
+            header = check_header(view, url)  # scan bombs, every frame's size: before any decoder runs
         except BlobdataError as exc:
             out[k] = exc
         kinds.append(GPU if out[k] is None and header is not None and header.gpu else CPU)

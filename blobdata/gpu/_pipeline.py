@@ -114,7 +114,7 @@ def collate_raw(samples: Sequence[tuple[bytes | np.ndarray, str, Any]]) -> RawBa
             shapes[k] = sample.shape[:2]
         else:
             buf[a:b] = np.frombuffer(sample, dtype=np.uint8)
-            header = read_header(sample)
+            header = read_header(sample, whole=False)  # prepare() walked it in full and checked it
             kinds[k] = GPU if header is not None and header.gpu else CPU
             if header is not None:
                 shapes[k] = (header.height, header.width)
