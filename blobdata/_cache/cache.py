@@ -23,6 +23,7 @@ from .db import Index
 from .index import WAL_SLACK_BYTES, Policy
 from .packs import aligned, punch_supported
 from .trim import TrimOps, recorded_bound
+from .trust import open_private_dir
 from .values import (
     DB_NAME,
     HEADER,
@@ -34,9 +35,7 @@ from .values import (
     Staged,
     Values,
     checksum,
-    chmod_private,
     key_of,
-    make_private_dir,
     write_value_file,
 )
 
@@ -215,17 +214,14 @@ class BlobCache(TrimOps):
     def _open(self) -> Opened:
         directory = self._directory
         try:
-            make_private_dir(directory)
+            open_private_dir(directory)  # ours alone, or CacheError (.trust)
             path = os.path.join(directory, DB_NAME)
             # O_EXCL: never open (and close) an existing index here. Closing any descriptor of a
             # file drops every POSIX lock this process holds on it, including those of another
             # open SQLite connection, and readers then see a corrupt image (SQLite howtocorrupt 2.2).
             with contextlib.suppress(FileExistsError):
-                os.close(
-                    os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-                )
-            for name in (path, path + "-wal", path + "-shm"):
-                chmod_private(name, 0o600)
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                os.close(os.open(path, flags, 0o600))
             db = Index(path, timeout=_SQLITE_TIMEOUT, journal_limit=WAL_SLACK_BYTES // 2)
             opened = Opened(db, Values(directory))
             self._use_packs = punch_supported(directory)
