@@ -3,6 +3,7 @@ size floor and bad numbers (issue 29, findings 1, 2, 4 and 8)."""
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from blobdata._cache import BlobCache
-from blobdata._errors import CacheError
+from blobdata._cli import main
+from blobdata._errors import CacheError, ConfigError
 
 OTHER_UID = 54321  # a uid no test user has: root (the tests' user here) can chown to it
 BIG = 100_000
@@ -152,3 +154,58 @@ def test_the_checks_happen_once_per_process_not_per_get(tmp_path: Path) -> None:
             assert cache.get("s3://b/big", "e1") == b"x" * BIG
         finally:
             os.chmod(directory, 0o700)
+
+
+# -- finding 4: a limit of 0 (or nearly) would evict every entry of every job ---------------------
+
+
+@pytest.mark.parametrize("limit", [0, 1, "0.5", "0", "1kB", 65_535])
+def test_a_limit_below_the_floor_is_refused_and_evicts_nothing(tmp_path: Path, limit: int | str) -> None:
+    directory = tmp_path / "c"
+    warmed(directory)
+    with pytest.raises(ConfigError) as info:
+        BlobCache(directory, size_limit=limit)
+    assert "size_limit" in str(info.value) and "64KiB" in str(info.value)
+    with BlobCache(directory, size_limit="10MB") as cache:
+        assert cache.stats().entries == 2
+        assert cache.get("s3://b/big", "e1") == b"x" * BIG
+    with pytest.raises(ConfigError):
+        BlobCache(tmp_path / "fresh", size_limit=limit)
+    assert not (tmp_path / "fresh").exists()
+
+
+@pytest.mark.parametrize("limit", ["0", "0.5", "1"])
+def test_warm_refuses_a_cache_size_below_the_floor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: str
+) -> None:
+    data = tmp_path / "data" / "cat"
+    data.mkdir(parents=True)
+    (data / "a.jpg").write_bytes(b"a" * 1000)
+    directory = tmp_path / "c"
+    warmed(directory)
+    code = main(["warm", str(tmp_path / "data"), "--cache-dir", str(directory), "--cache-size", limit, "-q"])
+    assert code == 2
+    assert "--cache-size" in capsys.readouterr().err
+    with BlobCache(directory, size_limit="10MB") as cache:
+        assert cache.stats().entries == 2
+
+
+# -- finding 8: numbers that are not sizes ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [math.nan, math.inf, -math.inf, 2**70, 1e30, "99999999999TB"])
+def test_a_size_limit_that_is_not_a_size_is_refused_before_anything_is_created(
+    tmp_path: Path, limit: float | int | str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        BlobCache(tmp_path / "c", size_limit=limit)
+    assert "size_limit" in str(info.value)
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("grace", [math.nan, math.inf, 1e300])
+def test_durations_of_the_cache_that_are_not_durations_are_refused(tmp_path: Path, grace: float) -> None:
+    for name in ("orphan_grace", "write_pause"):
+        with pytest.raises(ConfigError, match=name):
+            BlobCache(tmp_path / "c", size_limit="10MB", **{name: grace})  # type: ignore[arg-type]
+    assert not (tmp_path / "c").exists()

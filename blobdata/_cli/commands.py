@@ -100,11 +100,13 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
+    from .._cache import parse_limit
+
     url = str(parse_url(args.url))
     opts = parse_storage_options(args.storage_option or [])
     if args.concurrency < 1:
         raise ConfigError(f"--concurrency must be a positive integer, got {args.concurrency}")
-    size = parse_size(args.cache_size, name="--cache-size")
+    size = parse_limit(args.cache_size, name="--cache-size") if args.cache_size is not None else None
     parse_size(args.buffer_size, name="--buffer-size")
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise ConfigError(
@@ -179,16 +181,18 @@ def _node_share(args: argparse.Namespace, n: int) -> Any:
                        epoch=args.epoch)  # fmt: skip
 
 
-def _make_room(args: argparse.Namespace, manifest: Any, indices: Any, size: int) -> str | None:
+def _make_room(args: argparse.Namespace, manifest: Any, indices: Any, size: int | None) -> str | None:
     """Before warming a node's share: evict from the cache first what that share does not need
     (this dataset's other samples), as far as the share's missing bytes or the bound require.
     Returns a line for the summary, or None when nothing was evicted."""
     if indices is None or args.dry_run or not has_cache(args.cache_dir):
         return None
-    from .._cache import BlobCache
+    from .._cache import DEFAULT_LIMIT, BlobCache
 
     share = [(manifest.url(i), manifest.identity(i)) for i in np.asarray(indices).tolist()]
-    cache = BlobCache.inspect(args.cache_dir, size_limit=size)
+    with BlobCache.inspect(args.cache_dir) as probe:  # a smaller --cache-size than stored shrinks nothing
+        bound = max(probe.size_limit or DEFAULT_LIMIT, size or 0)
+    cache = BlobCache.inspect(args.cache_dir, size_limit=bound)
     try:
         missing = sum(int(manifest.sizes[i]) for (url, ident), i in zip(share, indices, strict=True)
                       if (url, ident) not in cache)  # fmt: skip
@@ -341,18 +345,22 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
         print("limit:      none recorded (pass --cache-size to compare)")
     elif info["over"]:
         print(
-            f"the cache is {human_size(info['over'])} over its limit: the next process that opens it trims "
-            f"it, or run: blobdata cache trim --cache-dir {args.cache_dir}"
+            f"the cache is {human_size(info['over'])} over its limit: to trim it, run: "
+            f"blobdata cache trim --cache-dir {args.cache_dir}"
         )
     return EXIT_OK
 
 
 def cmd_cache_trim(args: argparse.Namespace) -> int:
-    size = parse_size(args.cache_size, name="--cache-size") if args.cache_size else None
+    from .._cache import parse_limit
+
+    size = parse_limit(args.cache_size, name="--cache-size") if args.cache_size else None
     cache = _existing_cache(args.cache_dir, size)
     try:
         if cache.size_limit <= 0 and size is None:
             raise ConfigError(f"no limit is recorded for the cache in {args.cache_dir}: pass --cache-size")
+        if size is not None:  # the bound later openers naming no size use (a shrink on purpose)
+            cache.record_bound()
         keep = prefix = None
         if args.url:
             url = str(parse_url(args.url))

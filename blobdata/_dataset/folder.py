@@ -67,7 +67,7 @@ def _resolve_cache(
             )
         if cache_dir is None:
             return None
-        cache = BlobCache(cache_dir, size_limit=cache_size or "100GB", policy=cache_policy or "admit")
+        cache = BlobCache(cache_dir, size_limit=cache_size, policy=cache_policy or "admit")
     if cache is None or isinstance(cache, BlobCache):
         return cache
     if not isinstance(cache, (str, os.PathLike)):
