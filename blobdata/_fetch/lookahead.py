@@ -68,10 +68,26 @@ class Plan:
         return self.flat[self.offsets[k] : self.offsets[k + 1]]
 
 
-def _remove_if_owner(path: str, pid: int) -> None:
+def _remove_if_owner(path: str, pid: int, lock: int) -> None:
     # Forked workers inherit the finalizer; only the creating process may remove the directory.
     if _process.pid() == pid:
         shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)  # the owner's lock (_node.owners.hold), held until the directory is gone
+
+
+def _new_channel_dir(root: str) -> tuple[str, int]:
+    """A new plan directory and its owner lock, taken before the directory bears the plan prefix: a
+    sweeper never sees it without the lock (_node.owners)."""
+    tmp = tempfile.mkdtemp(prefix=f".{_PLAN_PREFIX}new-", dir=root)
+    os.chmod(tmp, 0o700)
+    try:
+        lock = _owners.hold(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    path = os.path.join(root, f"{_PLAN_PREFIX}{_process.pid()}-{tmp.rpartition('-')[2]}")
+    os.rename(tmp, path)
+    return path, lock
 
 
 def _shm_root() -> str:
@@ -87,8 +103,10 @@ _PLAN_PREFIX = "blobdata-plan-"
 def sweep_dead_channels(root: str | None = None) -> list[str]:
     """Remove the plan directories (``blobdata-plan-<pid>-*``, this user's) whose loader process is
     gone: one killed by SIGKILL (the OOM killer, a preempted node) could not remove its own, and
-    ``/dev/shm`` is memory. A pid now held by a process that started after the directory was last
-    written is another process: its owner is gone too. Returns the paths removed."""
+    ``/dev/shm`` is memory. Its owner is gone when the lock it held for its life can be taken (a pid
+    proves nothing across the pid namespaces of containers sharing ``/dev/shm``); a directory without
+    one (an older blobdata's) is judged by its pid: a pid now held by a process that started after the
+    directory was last written is another process. Returns the paths removed."""
     root = root or _shm_root()
     removed: list[str] = []
     try:
@@ -105,7 +123,10 @@ def sweep_dead_channels(root: str | None = None) -> list[str]:
             continue
         if not pid_text.isdigit() or st.st_uid != uid or int(pid_text) == _process.pid():
             continue
-        if not _owners.alive(int(pid_text), since=st.st_mtime) and _owners.remove_owned_tree(path):
+        gone = _owners.owner_gone(path)
+        if gone is None:
+            gone = not _owners.alive(int(pid_text), since=st.st_mtime)
+        if gone and _owners.remove_owned_tree(path):
             removed.append(path)
     return removed
 
@@ -124,9 +145,8 @@ class PlanChannel:
         if path is None:
             root = _shm_root()
             sweep_dead_channels(root)
-            path = tempfile.mkdtemp(prefix=f"{_PLAN_PREFIX}{_process.pid()}-", dir=root)
-            os.chmod(path, 0o700)
-            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid())
+            path, lock = _new_channel_dir(root)
+            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid(), lock)
         self.path = path
         self._seq = 0
         self._cached: Plan | None = None
