@@ -22,6 +22,7 @@ from .warm import has_cache, human_size, print_summary, used_bytes, warm
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = [
+    "EscapingFormatter",
     "cmd_bench",
     "cmd_cache_clear",
     "cmd_cache_info",
@@ -29,6 +30,7 @@ __all__ = [
     "cmd_ls",
     "cmd_warm",
     "parse_storage_options",
+    "printable",
 ]
 
 log = logging.getLogger("blobdata")
@@ -223,6 +225,26 @@ def _share_fit(summary: Any, nnodes_given: bool) -> str | None:
 # -- ls ------------------------------------------------------------------------------------------
 
 
+def printable(text: object) -> str:
+    """``text`` for a terminal: what is not printable (escape sequences, newlines, bidi controls) is
+    written as its Python escape, so a name from a bucket can neither drive the terminal nor forge a
+    line of output."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
+
+
+class EscapingFormatter(logging.Formatter):
+    """Log lines with :func:`printable` messages (a traceback, under --debug, is left as it is)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record = logging.makeLogRecord(record.__dict__)  # a copy: other handlers see the original
+        record.msg, record.args = printable(record.getMessage()), None
+        return super().format(record)
+
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     url = str(parse_url(args.url))
     opts = resolve_storage_options(parse_url(url).protocol, parse_storage_options(args.storage_option or []))
@@ -252,17 +274,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=2, ensure_ascii=False))
         return EXIT_OK
-    width = max([len("class"), *(len(c) for c in m.classes)])
+    names = [printable(c) for c in m.classes]  # names come from the bucket: escaped for the terminal
+    width = max([len("class"), *(len(c) for c in names)])
     listed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.listed_at))
-    print(f"{m.root}: {len(m.classes)} classes, {len(m)} objects, {human_size(total)} (listed {listed})")
+    root = printable(m.root)
+    print(f"{root}: {len(m.classes)} classes, {len(m)} objects, {human_size(total)} (listed {listed})")
     print(f"{'class':<{width}}  {'objects':>10}  {'bytes':>12}")
-    for c, n, b in zip(m.classes, counts, sizes, strict=True):
+    for c, n, b in zip(names, counts, sizes, strict=True):
         print(f"{c:<{width}}  {int(n):>10}  {human_size(int(b)):>12}")
     print(f"{'total':<{width}}  {len(m):>10}  {human_size(total):>12}")
     if m.skipped:
-        print(f"{len(m.skipped)} objects belong to no class and were skipped, e.g. {m.skipped[0]}")
+        skipped = printable(m.skipped[0])
+        print(f"{len(m.skipped)} objects belong to no class and were skipped, e.g. {skipped}")
     if args.save_manifest:
-        print(f"saved the listing to {args.save_manifest} (pass it as --manifest / manifest= on other nodes)")
+        saved = printable(args.save_manifest)
+        print(f"saved the listing to {saved} (pass it as --manifest / manifest= on other nodes)")
     return EXIT_OK
 
 

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from .._errors import BlobdataError, ConfigError, ManifestError
 from . import bench as _bench
 from .commands import (
+    EscapingFormatter,
     cmd_bench,
     cmd_cache_clear,
     cmd_cache_info,
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     handler: logging.Handler | None = None
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("blobdata: %(levelname)s: %(message)s"))
+        handler.setFormatter(EscapingFormatter("blobdata: %(levelname)s: %(message)s"))
         log.addHandler(handler)
     old_level = log.level
     log.setLevel(logging.DEBUG if debug else logging.WARNING)
