@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from blobdata._fetch.lookahead import sweep_dead_channels
+from blobdata._fetch.throttle import _OWNERS0, O_FIELDS, O_PID, OWNERS, Limit, Table, key_id
 from blobdata._node import owners
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +98,36 @@ def test_the_owner_lock_cannot_be_taken_twice_and_goes_with_its_holder(tmp_path:
     finally:
         os.close(fd)
     assert owners.owner_gone(str(tmp_path)) is True
+
+
+# -- the node's throttle table: its owner entries ---------------------------------------------------
+
+
+def _owner_entries(table: Table) -> dict[int, int]:
+    """pid -> entry offset of every owner in ``table``."""
+    entries = range(_OWNERS0, _OWNERS0 + OWNERS * O_FIELDS, O_FIELDS)
+    return {int(table.v[o + O_PID]): o for o in entries if table.v[o + O_PID]}
+
+
+def test_a_live_throttle_owner_of_another_pid_namespace_keeps_its_entry(tmp_path: Path) -> None:
+    path = str(tmp_path / "throttle.bin")
+    code = (
+        "from blobdata._fetch.throttle import *; import time; "
+        f"Limit(Table({path!r}), key_id('x')); print('ok', flush=True); time.sleep(120)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ok"
+        table = Table(path)
+        foreign = _dead_pid()
+        with table.locked() as v:  # as another container sees the child: a pid not running here
+            o = _owner_entries(table)[child.pid]
+            v[o + O_PID] = float(foreign)
+        Limit(table, key_id("y"))  # joining sweeps every owner
+        assert foreign in _owner_entries(table)
+    finally:
+        child.kill()
+        child.communicate(timeout=30)
+    Limit(table, key_id("z"))  # the owner is gone with its lock: its entry is swept
+    assert foreign not in _owner_entries(table) and os.getpid() in _owner_entries(table)

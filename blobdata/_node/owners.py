@@ -24,7 +24,16 @@ import os
 import shutil
 import stat
 
-__all__ = ["LOCK_NAME", "alive", "hold", "owner_gone", "per_user_dir", "remove_owned_tree", "started"]
+__all__ = [
+    "LOCK_NAME",
+    "SlotLocks",
+    "alive",
+    "hold",
+    "owner_gone",
+    "per_user_dir",
+    "remove_owned_tree",
+    "started",
+]
 
 LOCK_NAME = ".owner.lock"
 
@@ -157,3 +166,49 @@ def owner_gone(directory: str) -> bool | None:
     finally:
         os.close(fd)  # drops the lock just taken
     return True
+
+
+class SlotLocks:
+    """Liveness of the owners of a table's slots, by lock: a process holds a POSIX record lock on byte
+    ``slot`` of the file ``path`` for as long as it owns that slot (:meth:`claim`, :meth:`release`; the
+    kernel drops it when the process exits), and a sweeper that can take a slot's byte knows its owner
+    is gone (:meth:`gone`), whatever pid namespace it ran in. One object per process: POSIX locks are
+    not inherited by a fork, and closing any descriptor of the file would drop them, so the file is
+    never closed. OSError if ``path`` cannot be opened as this user's own file."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            os.close(fd)
+            raise PermissionError(f"{path} is not a file of this user's only")
+        self._fd = fd
+        self._mine: set[int] = set()
+
+    def claim(self, slot: int) -> bool:
+        """Hold ``slot``'s lock; False if another live process holds it."""
+        if slot not in self._mine:
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+            except OSError:
+                return False
+            self._mine.add(slot)
+        return True
+
+    def release(self, slot: int) -> None:
+        if slot in self._mine:
+            self._mine.discard(slot)
+            with contextlib.suppress(OSError):
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
+
+    def gone(self, slot: int) -> bool:
+        """Whether nobody holds ``slot``'s lock (its owner exited, or never took one)."""
+        if slot in self._mine:
+            return False
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+        except OSError:
+            return False
+        with contextlib.suppress(OSError):
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
+        return True
