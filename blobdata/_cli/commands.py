@@ -244,7 +244,6 @@ class EscapingFormatter(logging.Formatter):
         return super().format(record)
 
 
-
 def cmd_ls(args: argparse.Namespace) -> int:
     url = str(parse_url(args.url))
     opts = resolve_storage_options(parse_url(url).protocol, parse_storage_options(args.storage_option or []))
