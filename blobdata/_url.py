@@ -164,3 +164,13 @@ def check_relkeys(
                 "manifest from the folder itself (blobdata ls ROOT --save-manifest PATH)",
                 url=root,
             ) from None
+
+
+def printable(text: object) -> str:
+    """``text`` for a terminal or a log line: what is not printable (escape sequences, newlines, bidi
+    controls) is written as its Python escape, so a name from a bucket can neither drive the terminal
+    nor forge a line of output."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)

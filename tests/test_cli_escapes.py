@@ -4,6 +4,7 @@ not printable (issue 29, finding 7)."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,19 @@ def test_log_lines_escape_names(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "root\\x1b[2Jname\\nforged" in err  # the listing's debug line names the root, escaped
     assert "\x1b" not in err
     assert all(line.startswith(("blobdata: ", "  ", "Traceback")) for line in err.splitlines() if line)
+
+
+def test_the_skipped_sample_warning_escapes_the_name(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from blobdata import FolderDataset
+
+    root = tmp_path / "data"
+    (root / "cat").mkdir(parents=True)
+    (root / "cat" / "bad\x1b[2J\nforged.png").write_bytes(b"not an image")
+    ds = FolderDataset(str(root), on_error="skip")
+    with caplog.at_level(logging.WARNING, logger="blobdata"):
+        assert ds.__getitems__([0]) == []
+    lines = [r.getMessage() for r in caplog.records if "skipped bad sample" in r.getMessage()]
+    assert lines and "bad\\x1b[2J\\nforged.png" in lines[0]
+    assert "\x1b" not in lines[0] and "\n" not in lines[0]

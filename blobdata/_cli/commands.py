@@ -16,7 +16,7 @@ import numpy as np
 from .._config import parse_size
 from .._errors import BlobdataError, ConfigError
 from .._stores.options import redact, resolve_storage_options
-from .._url import parse_url
+from .._url import parse_url, printable
 from . import bench as _bench
 from .warm import has_cache, human_size, print_summary, used_bytes, warm
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -30,7 +30,6 @@ __all__ = [
     "cmd_ls",
     "cmd_warm",
     "parse_storage_options",
-    "printable",
 ]
 
 log = logging.getLogger("blobdata")
@@ -223,16 +222,6 @@ def _share_fit(summary: Any, nnodes_given: bool) -> str | None:
 
 
 # -- ls ------------------------------------------------------------------------------------------
-
-
-def printable(text: object) -> str:
-    """``text`` for a terminal: what is not printable (escape sequences, newlines, bidi controls) is
-    written as its Python escape, so a name from a bucket can neither drive the terminal nor forge a
-    line of output."""
-    s = str(text)
-    if s.isprintable():
-        return s
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
 
 
 class EscapingFormatter(logging.Formatter):
