@@ -31,6 +31,7 @@ Sizes accept ``"100GB"``, ``"512MiB"``, ``"8M"`` or plain ints (bytes); decimal 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import warnings
@@ -66,21 +67,31 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*$")
 _DURATION_UNITS = {
     "": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
 }  # fmt: skip
+MAX_SIZE = 2**60  # 1 EiB: no disk or object is larger, and SQLite's integers stop at 2**63
+MAX_SECONDS = 365 * 86400.0  # a longer timeout is a mistake (and overflows threading's waits)
 
 
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
-    """Return ``value`` in bytes; accepts ints and strings such as ``"100GB"`` or ``"8MiB"``."""
+    """Return ``value`` in bytes; accepts ints and strings such as ``"100GB"`` or ``"8MiB"``.
+
+    Raises ConfigError for anything else: a negative or non-finite number, or more than 1 EiB."""
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be a size such as 100GB, not {value!r}")
     if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"{name} must not be negative, got {value!r}")
-        return int(value)
-    match = _SIZE_RE.match(str(value))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _SIZE_UNITS:
-        raise ConfigError(f"{name} must be a size such as 100GB, 512MiB or 1048576, got {value!r}")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+        number: int | float = value
+    else:
+        match = _SIZE_RE.match(str(value))
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise ConfigError(f"{name} must be a size such as 100GB, 512MiB or 1048576, got {value!r}")
+        number = float(match.group(1)) * _SIZE_UNITS[unit]
+    if isinstance(number, float) and not math.isfinite(number):
+        raise ConfigError(f"{name} must be a finite size such as 100GB, got {value!r}")
+    if number < 0:
+        raise ConfigError(f"{name} must not be negative, got {value!r}")
+    if number > MAX_SIZE:
+        raise ConfigError(f"{name} must be at most 1EiB ({MAX_SIZE} bytes), got {value!r}")
+    return int(number)
 
 
 def parse_duration(value: int | float | str, *, name: str = "duration") -> float:
@@ -88,13 +99,18 @@ def parse_duration(value: int | float | str, *, name: str = "duration") -> float
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be a duration such as 30s, not {value!r}")
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond any float
+            seconds = math.inf
     else:
         match = _SIZE_RE.match(str(value))
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _DURATION_UNITS:
             raise ConfigError(f"{name} must be a duration such as 30s or 250ms, got {value!r}")
         seconds = float(match.group(1)) * _DURATION_UNITS[unit]
+    if not math.isfinite(seconds) or seconds > MAX_SECONDS:
+        raise ConfigError(f"{name} must be a finite duration of at most 365d, got {value!r}")
     if seconds <= 0:
         raise ConfigError(f"{name} must be positive, got {value!r}")
     return seconds
@@ -174,7 +190,7 @@ class FetchOptions:
                 concurrency = int(raw) if raw else 64
             except ValueError:
                 raise ConfigError(f"BLOBDATA_CONCURRENCY must be an integer, got {raw!r}") from None
-        if not isinstance(concurrency, int) or concurrency < 1:
+        if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
             raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}")
         if retries is not None:
             warnings.warn(

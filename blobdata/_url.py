@@ -10,7 +10,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import posixpath
+from collections.abc import Sequence
 from urllib.parse import urlsplit
+
+import numpy as np
+import numpy.typing as npt
 
 from ._errors import ConfigError
 
@@ -108,3 +112,65 @@ def safe_relpath(key: str, *, url: str | None = None) -> str:
         )
     assert posixpath.normpath(key) == key
     return key
+
+
+_INNER = (b"//", b"/./", b"/../", b"\x00", b"\\")  # a bad segment inside a key (or across two bad ones)
+_DOT, _SLASH = ord("."), ord("/")
+
+
+def check_relkeys(
+    keys: bytes | npt.NDArray[np.uint8], offsets: Sequence[int] | npt.NDArray[np.int64], *, root: str
+) -> None:
+    """Raise ConfigError for the first key that :func:`safe_relpath` refuses, of the keys of a manifest
+    of ``root`` used as local paths (key ``i`` is ``keys[offsets[i]:offsets[i + 1]]``, UTF-8).
+
+    Vectorised: one search of the bytes for a bad inner segment, and a look at both ends of each key
+    (a match across two keys needs the first to end badly); keys are decoded only to name a bad one."""
+    buf = np.frombuffer(keys, np.uint8) if isinstance(keys, (bytes, bytearray)) else np.asarray(keys)
+    offs = np.asarray(offsets, dtype=np.int64)
+    if len(offs) < 2:
+        return
+    starts, ends = offs[:-1], offs[1:]
+    lengths = ends - starts
+    bad = bool((lengths <= 0).any()) or any(p in buf[offs[0] : offs[-1]].tobytes() for p in _INNER)
+    if not bad:
+        last = len(buf) - 1
+
+        def at(pos: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+            return buf[np.clip(pos, 0, last)]
+
+        s0, s1, s2 = at(starts), at(starts + 1), at(starts + 2)
+        e1, e2, e3 = at(ends - 1), at(ends - 2), at(ends - 3)
+        # "/x", ".", "./x", "..", "../x" at the start; "x/", "x/.", "x/.." at the end
+        lead = (s0 == _SLASH) | (
+            (s0 == _DOT)
+            & ((lengths == 1) | (s1 == _SLASH) | ((s1 == _DOT) & ((lengths == 2) | (s2 == _SLASH))))
+        )
+        trail = (
+            (e1 == _SLASH)
+            | ((e1 == _DOT) & (lengths >= 2) & (e2 == _SLASH))
+            | ((e1 == _DOT) & (e2 == _DOT) & (lengths >= 3) & (e3 == _SLASH))
+        )
+        bad = bool(lead.any() or trail.any())
+    if not bad:
+        return
+    for i in range(len(offs) - 1):
+        key = bytes(buf[offs[i] : offs[i + 1]]).decode("utf-8", "surrogateescape")
+        try:
+            safe_relpath(key, url=f"{root}/{key}")
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc}: the manifest of the local folder {root} names a file outside it; build the "
+                "manifest from the folder itself (blobdata ls ROOT --save-manifest PATH)",
+                url=root,
+            ) from None
+
+
+def printable(text: object) -> str:
+    """``text`` for a terminal or a log line: what is not printable (escape sequences, newlines, bidi
+    controls) is written as its Python escape, so a name from a bucket can neither drive the terminal
+    nor forge a line of output."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)

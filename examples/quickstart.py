@@ -32,7 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("url")
     parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--cache-size", default="100GB")
+    parser.add_argument("--cache-size")
     parser.add_argument("--endpoint-url", default=None)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--workers", type=int, default=8)

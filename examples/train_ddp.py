@@ -61,7 +61,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("url")
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--cache-size", default="100GB", help="the cache's size bound (default 100GB)")
+    p.add_argument("--cache-size", help="raise the cache's size bound (default: the stored one)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--workers", type=int, default=0)

@@ -70,7 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("url")
     p.add_argument("--cache-dir")
-    p.add_argument("--cache-size", default="100GB")
+    p.add_argument("--cache-size")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))

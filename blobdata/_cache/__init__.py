@@ -52,11 +52,26 @@ Failures never stop training: ``put`` returns False on any I/O error (ENOSPC, ED
 EFBIG, permissions, a locked index), logs one warning naming the directory, and skips writes for
 ``write_pause`` seconds; ``get`` turns read errors into misses. Counters in :meth:`stats` are
 per process (each worker counts its own); volume and entries come from the shared index.
+
+Trust: a cache is used only if its directory and index are the opening user's alone (:mod:`.trust`);
+its size bound is stored in it and changes only upwards unless shrunk on purpose (:mod:`.trim`).
 """
 
 from .cache import BlobCache, CacheStats
 from .index import SLACK_BYTES, WAL_SLACK_BYTES, Policy
+from .trim import DEFAULT_LIMIT, MIN_LIMIT, parse_limit
 from .values import DB_NAME
 from .writer import CacheWriter
 
-__all__ = ["DB_NAME", "SLACK_BYTES", "WAL_SLACK_BYTES", "BlobCache", "CacheStats", "CacheWriter", "Policy"]
+__all__ = [
+    "DB_NAME",
+    "DEFAULT_LIMIT",
+    "MIN_LIMIT",
+    "SLACK_BYTES",
+    "WAL_SLACK_BYTES",
+    "BlobCache",
+    "CacheStats",
+    "CacheWriter",
+    "Policy",
+    "parse_limit",
+]

@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .. import _process
-from .._config import parse_duration, parse_size
+from .._config import parse_duration
 from .._errors import CacheError, ConfigError
 from .db import Index
 from .index import WAL_SLACK_BYTES, Policy
 from .packs import aligned, punch_supported
-from .trim import TrimOps, recorded_bound
+from .trim import DEFAULT_LIMIT, TrimOps, parse_limit, recorded_bound
+from .trust import open_private_dir
 from .values import (
     DB_NAME,
     HEADER,
@@ -34,9 +35,7 @@ from .values import (
     Staged,
     Values,
     checksum,
-    chmod_private,
     key_of,
-    make_private_dir,
     write_value_file,
 )
 
@@ -85,17 +84,20 @@ class CacheStats:
 class BlobCache(TrimOps):
     """A size-bounded, checksummed, process-safe bytes cache in ``directory``.
 
-    directory:     a local directory (created with mode 0700); several processes and jobs may share it.
-    size_limit:    bytes or a human size (default ``"100GB"``); ``volume_bytes`` stays within
-                   ``size_limit + SLACK_BYTES`` plus the SQLite WAL (see the module docstring).
+    directory:     a local directory (created with mode 0700) of the current user's (see :mod:`.trust`);
+                   several processes and jobs of that user may share it.
+    size_limit:    bytes or a human size, at least 64KiB. The bound belongs to the cache: None (default)
+                   keeps the stored one (``"100GB"`` for a new cache); a larger one raises it; a smaller
+                   one evicts nothing and keeps the stored one (with a warning) unless ``shrink=True``.
+                   ``volume_bytes`` stays within the bound + ``SLACK_BYTES`` plus the SQLite WAL.
     policy:        ``"admit"`` (default: keep the first ``size_limit`` bytes, best for shuffled
                    multi-epoch training) or ``"lru"`` (evict least-recently-used).
     orphan_grace:  age in seconds (or ``"10m"``) after which temp files and value files without
                    a row are swept when a cache opens (default 600).
     write_pause:   seconds without write attempts after a write error (default 60).
 
-    Opened more than ``SLACK_BYTES`` over ``size_limit`` (a lower limit than before), it evicts down to
-    it at once; :meth:`trim` evicts first what a node's current share does not need.
+    shrink:        lower the stored bound to ``size_limit`` and evict down to it now (announced at WARNING).
+    :meth:`trim` evicts first what a node's current share does not need.
     Raises :class:`CacheError` if the directory cannot be created or its index opened.
     Thread-safe; SQLite connections are per thread and per process.
     """
@@ -104,14 +106,19 @@ class BlobCache(TrimOps):
         self,
         directory: str | os.PathLike[str],
         *,
-        size_limit: int | str = "100GB",
+        size_limit: int | str | None = None,
         policy: Policy = "admit",
         orphan_grace: float | str = 600.0,
         write_pause: float | str = 60.0,
+        shrink: bool = False,
     ) -> None:
         if policy not in ("admit", "lru"):
             raise ConfigError(f"cache policy must be 'admit' or 'lru', got {policy!r}")
-        self._setup(os.fspath(directory), parse_size(size_limit, name="size_limit"), policy)
+        requested = None if size_limit is None else parse_limit(size_limit, name="size_limit")
+        if shrink and requested is None:
+            raise ConfigError("BlobCache(shrink=True) needs the size_limit to shrink the cache to")
+        self._setup(os.fspath(directory), requested or DEFAULT_LIMIT, policy)
+        self._requested, self._shrink = requested, shrink  # settled by the first open (.trim)
         self._grace = parse_duration(orphan_grace, name="orphan_grace") if orphan_grace != 0 else 0.0
         self._pause = parse_duration(write_pause, name="write_pause")
         self._connect()  # fail now, with a clear message, if the directory is unusable
@@ -135,6 +142,8 @@ class BlobCache(TrimOps):
         self._warned = False
         self._use_packs = False  # decided when the index opens (hole punching supported there)
         self._passive = False  # inspecting only (cache info/clear): records no limit, trims nothing
+        self._requested: int | None = None  # None: the stored bound applies (a pickled copy's case)
+        self._shrink = False
 
     # -- pickling (spawn workers): just the configuration, reopened on first use -----------------
 
@@ -215,17 +224,14 @@ class BlobCache(TrimOps):
     def _open(self) -> Opened:
         directory = self._directory
         try:
-            make_private_dir(directory)
+            open_private_dir(directory)  # ours alone, or CacheError (.trust)
             path = os.path.join(directory, DB_NAME)
             # O_EXCL: never open (and close) an existing index here. Closing any descriptor of a
             # file drops every POSIX lock this process holds on it, including those of another
             # open SQLite connection, and readers then see a corrupt image (SQLite howtocorrupt 2.2).
             with contextlib.suppress(FileExistsError):
-                os.close(
-                    os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-                )
-            for name in (path, path + "-wal", path + "-shm"):
-                chmod_private(name, 0o600)
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                os.close(os.open(path, flags, 0o600))
             db = Index(path, timeout=_SQLITE_TIMEOUT, journal_limit=WAL_SLACK_BYTES // 2)
             opened = Opened(db, Values(directory))
             self._use_packs = punch_supported(directory)

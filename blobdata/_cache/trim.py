@@ -2,11 +2,15 @@
 (:meth:`TrimOps.trim`, ``blobdata cache trim``), evicting first what a node's current share does not
 need; and emptied (:meth:`TrimOps.clear`).
 
-Under ``"admit"`` a cache never evicts, so one opened with a lower ``size_limit`` than it holds (the
-node's share changed, the disk filled, a second job with a smaller limit) would stay over it for
-ever. So a process that opens a cache more than ``SLACK_BYTES`` over its own limit trims it to the
-limit at once (one INFO line says how much went), and every opener records its limit in the index
-(``meta.bound``) for ``blobdata cache info`` to show.
+The bound belongs to the cache, stored in its index (``meta.bound``), not to the last program that
+opened it: a user who warmed 500 GB must not lose 400 GB to a script whose default is 100 GB. An
+opener that names no ``size_limit`` uses the stored bound (``DEFAULT_LIMIT`` for a new cache); one
+that names a larger one raises it (said at INFO); one that names a smaller one evicts nothing and
+keeps the stored bound, with a WARNING naming the two ways to shrink on purpose:
+``BlobCache(dir, size_limit=..., shrink=True)`` and ``blobdata cache trim --cache-dir D --cache-size S``
+(both store the new bound and evict down to it; the eviction is announced at WARNING). A bound below
+``MIN_LIMIT`` (64 KiB: the empty index alone takes 32 KiB) is refused: it would evict every entry
+of every job sharing the cache.
 
 Eviction order, oldest first (``access_time``: under ``"admit"`` the time a value was stored) within
 each class:
@@ -31,14 +35,17 @@ from collections.abc import Collection, Iterable
 
 import numpy as np
 
-from .._errors import CacheError
+from .._config import parse_size
+from .._errors import CacheError, ConfigError
 from .db import Index
 from .index import SLACK_BYTES, IndexOps
 from .values import Values, key_of
 
-__all__ = ["BATCH", "TrimOps", "TrimResult"]
+__all__ = ["BATCH", "DEFAULT_LIMIT", "MIN_LIMIT", "TrimOps", "TrimResult", "parse_limit"]
 
 BATCH = 512  # rows deleted per transaction
+DEFAULT_LIMIT = 100 * 1000**3  # the bound of a new cache whose opener names none (100GB)
+MIN_LIMIT = SLACK_BYTES  # 64 KiB: a lower bound holds nothing
 _SCAN = 20_000  # rows read per query when classifying entries
 _log = logging.getLogger("blobdata")
 
@@ -51,6 +58,18 @@ class TrimResult:
     evicted_bytes: int
     volume_bytes: int
     size_limit: int
+
+
+def parse_limit(value: int | float | str, *, name: str = "size_limit") -> int:
+    """A cache's size bound in bytes; ConfigError for what is not a size or is below ``MIN_LIMIT``."""
+    limit = parse_size(value, name=name)
+    if limit < MIN_LIMIT:
+        raise ConfigError(
+            f"{name} must be at least 64KiB, got {value!r}: a bound that low holds nothing and would "
+            "evict every entry of every job sharing the cache (to empty a cache on purpose, run: "
+            "blobdata cache clear --cache-dir DIR)"
+        )
+    return limit
 
 
 def _url_of(key: str) -> str:
@@ -103,27 +122,49 @@ class TrimOps(IndexOps):
         except (OSError, sqlite3.Error) as exc:
             raise CacheError(f"cannot clear cache directory {self._directory} ({exc})") from exc
 
+    _requested: int | None
+    _shrink: bool
+
     def _bound_on_open(self, db: Index, values: Values) -> None:
-        """Record this opener's limit and trim the cache to it when it is over (see the docstring)."""
-        sql = db.sql
-        row = sql("SELECT value FROM meta WHERE key = 'bound'").fetchone()
-        if row is None or int(row[0]) != self._size_limit:
-            with db.transact():
-                sql("INSERT OR REPLACE INTO meta (key, value) VALUES ('bound', ?)", (self._size_limit,))
-        page_bytes, size_sum = self._volume(sql)
-        if page_bytes + size_sum <= self._size_limit + SLACK_BYTES:
+        """Settle the bound when a process opens the cache (see the module docstring)."""
+        stored = recorded_bound(db)
+        asked, shrink = self._requested, self._shrink
+        self._requested, self._shrink = None, False  # settled: copies (workers) follow the stored one
+        if asked is None:
+            self._size_limit = stored if stored is not None else self._size_limit
+        elif stored is None or asked >= stored or shrink:
+            self._size_limit = asked
+        else:
+            self._size_limit = stored
+            _log.warning(
+                "blobdata cache %s: opened with a size limit of %d bytes, below its bound of %d bytes: "
+                "keeping the bound, evicting nothing. To shrink the cache on purpose, pass "
+                "BlobCache(%r, size_limit=%d, shrink=True) or run: blobdata cache trim --cache-dir %s "
+                "--cache-size %d",
+                self._directory, asked, stored, self._directory, asked, self._directory, asked,
+            )  # fmt: skip
+        if stored != self._size_limit:
+            self.record_bound(db)
+            if stored is not None and self._size_limit > stored:
+                _log.info(
+                    "blobdata cache %s: bound raised from %d to %d bytes",
+                    self._directory, stored, self._size_limit,
+                )  # fmt: skip
+        if stored is None or self._size_limit >= stored:
             return
         done = _trim(db, values, self._size_limit, None, None, 0)
-        _log.info(
-            "blobdata cache %s: held %d bytes over its limit of %d bytes; evicted %d entries (%d bytes), "
-            "now %d bytes",
-            self._directory,
-            page_bytes + size_sum - self._size_limit,
-            self._size_limit,
-            done.evicted,
-            done.evicted_bytes,
-            done.volume_bytes,
-        )
+        _log.warning(
+            "blobdata cache %s: bound lowered from %d to %d bytes on request (shrink=True); evicted %d "
+            "entries (%d bytes), now %d bytes",
+            self._directory, stored, self._size_limit, done.evicted, done.evicted_bytes, done.volume_bytes,
+        )  # fmt: skip
+
+    def record_bound(self, db: Index | None = None) -> None:
+        """Store this cache's ``size_limit`` as its bound (what later openers naming none use)."""
+        if db is None:
+            db = self._opened_index()[0]
+        with db.transact():
+            db.sql("INSERT OR REPLACE INTO meta (key, value) VALUES ('bound', ?)", (self._size_limit,))
 
 
 def recorded_bound(db: Index) -> int | None:

@@ -181,7 +181,7 @@ def run_bench(
     batch_size: int = 64,
     workers: int = 2,
     cache_dir: str | None = None,
-    cache_size: int | str = "100GB",
+    cache_size: int | str | None = None,
     lookahead: int = 1024,
     transform: Callable[[Any], Any] | None = None,
     transform_name: str = "custom",
@@ -326,7 +326,7 @@ def add_parser(
     b.add_argument("--batch-size", type=int, default=64, help="samples per batch (default 64)")
     b.add_argument("--workers", type=int, default=2, help="DataLoader workers (default 2)")
     b.add_argument("--cache-dir", help="cache directory (default: none)")
-    b.add_argument("--cache-size", default="100GB", help="cache size bound (default 100GB)")
+    b.add_argument("--cache-size", help="raise the cache's size bound to this (default: the stored one)")
     b.add_argument(
         "--lookahead", type=int, default=1024, help="samples fetched ahead per worker (default 1024)"
     )

@@ -16,12 +16,13 @@ import numpy as np
 from .._config import parse_size
 from .._errors import BlobdataError, ConfigError
 from .._stores import redact, resolve_storage_options
-from .._url import parse_url
+from .._url import parse_url, printable
 from . import bench as _bench
 from .warm import has_cache, human_size, print_summary, used_bytes, warm
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = [
+    "EscapingFormatter",
     "cmd_bench",
     "cmd_cache_clear",
     "cmd_cache_info",
@@ -100,11 +101,13 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
+    from .._cache import parse_limit
+
     url = str(parse_url(args.url))
     opts = parse_storage_options(args.storage_option or [])
     if args.concurrency < 1:
         raise ConfigError(f"--concurrency must be a positive integer, got {args.concurrency}")
-    size = parse_size(args.cache_size, name="--cache-size")
+    size = parse_limit(args.cache_size, name="--cache-size") if args.cache_size is not None else None
     parse_size(args.buffer_size, name="--buffer-size")
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         raise ConfigError(
@@ -179,16 +182,18 @@ def _node_share(args: argparse.Namespace, n: int) -> Any:
                        epoch=args.epoch)  # fmt: skip
 
 
-def _make_room(args: argparse.Namespace, manifest: Any, indices: Any, size: int) -> str | None:
+def _make_room(args: argparse.Namespace, manifest: Any, indices: Any, size: int | None) -> str | None:
     """Before warming a node's share: evict from the cache first what that share does not need
     (this dataset's other samples), as far as the share's missing bytes or the bound require.
     Returns a line for the summary, or None when nothing was evicted."""
     if indices is None or args.dry_run or not has_cache(args.cache_dir):
         return None
-    from .._cache import BlobCache
+    from .._cache import DEFAULT_LIMIT, BlobCache
 
     share = [(manifest.url(i), manifest.identity(i)) for i in np.asarray(indices).tolist()]
-    cache = BlobCache.inspect(args.cache_dir, size_limit=size)
+    with BlobCache.inspect(args.cache_dir) as probe:  # a smaller --cache-size than stored shrinks nothing
+        bound = max(probe.size_limit or DEFAULT_LIMIT, size or 0)
+    cache = BlobCache.inspect(args.cache_dir, size_limit=bound)
     try:
         missing = sum(int(manifest.sizes[i]) for (url, ident), i in zip(share, indices, strict=True)
                       if (url, ident) not in cache)  # fmt: skip
@@ -217,6 +222,15 @@ def _share_fit(summary: Any, nnodes_given: bool) -> str | None:
 
 
 # -- ls ------------------------------------------------------------------------------------------
+
+
+class EscapingFormatter(logging.Formatter):
+    """Log lines with :func:`printable` messages (a traceback, under --debug, is left as it is)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record = logging.makeLogRecord(record.__dict__)  # a copy: other handlers see the original
+        record.msg, record.args = printable(record.getMessage()), None
+        return super().format(record)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -248,17 +262,21 @@ def cmd_ls(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=2, ensure_ascii=False))
         return EXIT_OK
-    width = max([len("class"), *(len(c) for c in m.classes)])
+    names = [printable(c) for c in m.classes]  # names come from the bucket: escaped for the terminal
+    width = max([len("class"), *(len(c) for c in names)])
     listed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.listed_at))
-    print(f"{m.root}: {len(m.classes)} classes, {len(m)} objects, {human_size(total)} (listed {listed})")
+    root = printable(m.root)
+    print(f"{root}: {len(m.classes)} classes, {len(m)} objects, {human_size(total)} (listed {listed})")
     print(f"{'class':<{width}}  {'objects':>10}  {'bytes':>12}")
-    for c, n, b in zip(m.classes, counts, sizes, strict=True):
+    for c, n, b in zip(names, counts, sizes, strict=True):
         print(f"{c:<{width}}  {int(n):>10}  {human_size(int(b)):>12}")
     print(f"{'total':<{width}}  {len(m):>10}  {human_size(total):>12}")
     if m.skipped:
-        print(f"{len(m.skipped)} objects belong to no class and were skipped, e.g. {m.skipped[0]}")
+        skipped = printable(m.skipped[0])
+        print(f"{len(m.skipped)} objects belong to no class and were skipped, e.g. {skipped}")
     if args.save_manifest:
-        print(f"saved the listing to {args.save_manifest} (pass it as --manifest / manifest= on other nodes)")
+        saved = printable(args.save_manifest)
+        print(f"saved the listing to {saved} (pass it as --manifest / manifest= on other nodes)")
     return EXIT_OK
 
 
@@ -341,18 +359,22 @@ def cmd_cache_info(args: argparse.Namespace) -> int:
         print("limit:      none recorded (pass --cache-size to compare)")
     elif info["over"]:
         print(
-            f"the cache is {human_size(info['over'])} over its limit: the next process that opens it trims "
-            f"it, or run: blobdata cache trim --cache-dir {args.cache_dir}"
+            f"the cache is {human_size(info['over'])} over its limit: to trim it, run: "
+            f"blobdata cache trim --cache-dir {args.cache_dir}"
         )
     return EXIT_OK
 
 
 def cmd_cache_trim(args: argparse.Namespace) -> int:
-    size = parse_size(args.cache_size, name="--cache-size") if args.cache_size else None
+    from .._cache import parse_limit
+
+    size = parse_limit(args.cache_size, name="--cache-size") if args.cache_size else None
     cache = _existing_cache(args.cache_dir, size)
     try:
         if cache.size_limit <= 0 and size is None:
             raise ConfigError(f"no limit is recorded for the cache in {args.cache_dir}: pass --cache-size")
+        if size is not None:  # the bound later openers naming no size use (a shrink on purpose)
+            cache.record_bound()
         keep = prefix = None
         if args.url:
             url = str(parse_url(args.url))

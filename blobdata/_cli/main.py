@@ -37,6 +37,7 @@ from collections.abc import Callable
 from .._errors import BlobdataError, ConfigError, ManifestError
 from . import bench as _bench
 from .commands import (
+    EscapingFormatter,
     cmd_bench,
     cmd_cache_clear,
     cmd_cache_info,
@@ -125,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("warm", parents=[common, listing], help="fill a local cache with a folder's objects")
     w.add_argument("--cache-dir", required=True, help="cache directory (an SSD)")
     w.add_argument(
-        "--cache-size", default="100GB", help="cache size bound, e.g. 100GB or 512GiB (default 100GB)"
+        "--cache-size",
+        help="raise the cache's size bound to this, e.g. 100GB or 512GiB (default: the bound stored in the "
+        "cache, 100GB for a new one; a smaller one shrinks nothing: use blobdata cache trim --cache-size)",
     )
     w.add_argument("--cache-policy", choices=["admit", "lru"], default="admit", help="admit (default) or lru")
     w.add_argument(
@@ -166,7 +169,9 @@ def _parser() -> argparse.ArgumentParser:
         "does not need",
     )  # fmt: skip
     trim.add_argument("--cache-dir", required=True, help="the cache directory to trim")
-    trim.add_argument("--cache-size", help="the limit to trim to (default: the one its last user recorded)")
+    trim.add_argument(
+        "--cache-size", help="the limit to trim to, stored as the cache's bound (default: the stored bound)"
+    )
     _share_args(trim)
     trim.set_defaults(func=cmd_cache_trim)
     clear = csub.add_parser("clear", parents=[common], help="remove every entry")
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     handler: logging.Handler | None = None
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("blobdata: %(levelname)s: %(message)s"))
+        handler.setFormatter(EscapingFormatter("blobdata: %(levelname)s: %(message)s"))
         log.addHandler(handler)
     old_level = log.level
     log.setLevel(logging.DEBUG if debug else logging.WARNING)

@@ -257,7 +257,9 @@ def has_cache(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, DB_NAME))
 
 
-def open_cache(directory: str, size: int | str = "100GB", policy: Literal["admit", "lru"] = "admit") -> Any:
+def open_cache(
+    directory: str, size: int | str | None = None, policy: Literal["admit", "lru"] = "admit"
+) -> Any:
     from .._cache import BlobCache
 
     try:
@@ -275,7 +277,7 @@ def warm(
     url: str,
     *,
     cache_dir: str,
-    cache_size: int | str = "100GB",
+    cache_size: int | str | None = None,
     cache_policy: Literal["admit", "lru"] = "admit",
     storage_options: dict[str, Any] | None = None,
     concurrency: int = 64,
@@ -304,8 +306,11 @@ def warm(
         raise ConfigError(
             f"--rank must be in 0..{world_size - 1} and --world-size >= 1, got {rank}/{world_size}"
         )
+    from .._cache import DEFAULT_LIMIT, BlobCache, parse_limit
+
     buffer_bytes = parse_size(buffer_size, name="--buffer-size")
-    limit = parse_size(cache_size, name="--cache-size")
+    # None: the cache's stored bound (a smaller one than stored is kept, not shrunk: see BlobCache).
+    asked = parse_limit(cache_size, name="--cache-size") if cache_size is not None else None
     m = manifest
     summary = WarmSummary(url=m.root)
     shard = (
@@ -315,8 +320,14 @@ def warm(
     )
     summary.shard_objects = len(shard)
     summary.shard_bytes = int(m.sizes[shard].sum())
-    # A dry run writes nothing: no directory and no index are created for it.
-    cache = open_cache(cache_dir, limit, cache_policy) if not dry_run or has_cache(cache_dir) else None
+    # A dry run writes nothing: no directory and no index are created for it, and no bound recorded.
+    if not dry_run:
+        cache = open_cache(cache_dir, asked, cache_policy)
+        limit = cache.size_limit
+    else:
+        cache = BlobCache.inspect(cache_dir) if has_cache(cache_dir) else None
+        stored = cache.size_limit if cache is not None else 0  # 0: none recorded
+        limit = max(stored, asked or 0) or DEFAULT_LIMIT  # what a real run would get
     try:
         todo: list[int] = []
         t_scan = time.monotonic()
@@ -465,10 +476,11 @@ def warm_cache(
         str(parsed), storage_options=opts, manifest=manifest, refresh=refresh, extensions=extensions,
         fetch_options=options, progress=progress,
     )  # fmt: skip
+    size: int | None
     if isinstance(cache, BlobCache):
         directory, size, policy = cache.directory, cache.size_limit, cache.policy
     else:
-        directory, size, policy = os.fspath(cache), parse_size("100GB"), "admit"
+        directory, size, policy = os.fspath(cache), None, "admit"
     return warm(
         str(parsed), cache_dir=directory, cache_size=size, cache_policy=policy, storage_options=opts,
         concurrency=options.concurrency, rank=rank, world_size=world_size, manifest=m, progress=progress,

@@ -34,7 +34,7 @@ from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
 from .._stores import redact, resolve_storage_options
-from .._url import parse_url
+from .._url import parse_url, printable
 from ..gpu._jpeg import prepare as prepare_raw
 from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
 from .loader import BlobLoader
@@ -67,7 +67,7 @@ def _resolve_cache(
             )
         if cache_dir is None:
             return None
-        cache = BlobCache(cache_dir, size_limit=cache_size or "100GB", policy=cache_policy or "admit")
+        cache = BlobCache(cache_dir, size_limit=cache_size, policy=cache_policy or "admit")
     if cache is None or isinstance(cache, BlobCache):
         return cache
     if not isinstance(cache, (str, os.PathLike)):
@@ -331,7 +331,7 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
         if self._channel is not None and torch.utils.data.get_worker_info() is not None:
             SkipLog(self._channel.path).record(url, exc)  # for the training process's ds.errors
         _stats.rec()[_stats.ERRORS] += 1
-        log.warning("blobdata: skipped bad sample %s: %s", url, exc)
+        log.warning("blobdata: skipped bad sample %s: %s", printable(url), printable(exc))
         if callable(self.on_error):
             self.on_error(url, exc)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from . import throttle
 from .admission import Gate, gate_for, private_gate, store_key
 from .engine import FetchEngine, endpoint_of
-from .lookahead import LookAhead, PlanChannel, PlanningBatchSampler
+from .lookahead import LookAhead, PlanChannel, PlanningBatchSampler, sweep_dead_channels
 from .throttle import Limit, Table, key_id, node_table
 
 __all__ = [
@@ -35,5 +35,6 @@ __all__ = [
     "node_table",
     "private_gate",
     "store_key",
+    "sweep_dead_channels",
     "throttle",
 ]

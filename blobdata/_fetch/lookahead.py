@@ -67,10 +67,11 @@ class Plan:
         return self.flat[self.offsets[k] : self.offsets[k + 1]]
 
 
-def _remove_if_owner(path: str, pid: int) -> None:
+def _remove_if_owner(path: str, pid: int, lock: int) -> None:
     # Forked workers inherit the finalizer; only the creating process may remove the directory.
     if _process.pid() == pid:
         shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)  # the owner's lock (_node.owners.hold), held until the directory is gone
 
 
 #: Plan channels in the node's shared directory: ``plan-<pid>-<random>`` (:mod:`blobdata._node`).
@@ -79,8 +80,13 @@ _PLAN_KIND = "plan"
 
 def sweep_dead_channels(parent: str | None = None) -> list[str]:
     """Remove the plan directories of this user's loaders whose process is gone (one killed by
-    SIGKILL could not remove its own, and ``/dev/shm`` is memory). Returns the paths removed."""
-    return shm.sweep(_PLAN_KIND, parent)
+    SIGKILL could not remove its own, and ``/dev/shm`` is memory): those whose owner lock can be taken
+    (:mod:`blobdata._node`), and those an older blobdata left in ``/dev/shm`` itself
+    (``blobdata-plan-<pid>-*``, judged by pid). Returns the paths removed."""
+    removed = shm.sweep(_PLAN_KIND, parent)
+    if parent is None:
+        removed += shm.sweep("blobdata-plan", shm.shm_root())
+    return removed
 
 
 class PlanChannel:
@@ -95,8 +101,8 @@ class PlanChannel:
     def __init__(self, path: str | None = None) -> None:
         self._owner = path is None
         if path is None:
-            path = shm.make_owned_dir(_PLAN_KIND)  # dead loaders' channels are swept first
-            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid())
+            path, lock = shm.make_locked_dir(_PLAN_KIND)  # dead loaders' channels are swept first
+            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid(), lock)
         self.path = path
         self._seq = 0
         self._cached: Plan | None = None

@@ -19,14 +19,17 @@ Requests take tokens from the store's bucket (a burst of ``BURST_S`` seconds of 
 and a ``Retry-After`` pauses the whole node's requests to that store (capped by the caller). Retries
 are jittered by :func:`blobdata._retry.with_retries`.
 
-**Where it lives.** One file per user, ``/dev/shm/blobdata-<uid>/throttle-v1.bin`` (the node's directory
-of :mod:`blobdata._node`: 0700, file 0600; the temporary directory where there is no ``/dev/shm``),
-mapped into each process and changed under an ``fcntl`` lock: a table of stores (keyed by a hash of the
-protocol, endpoint, bucket and, for S3, the folder's first path segment: S3 limits per prefix) and a
-table of owners (pid, start time, store, heartbeat, requests in flight). Entries of processes that are
-gone are swept (by pid and start time, :mod:`blobdata._node.owners`), and a store no live process uses is
-forgotten after ``IDLE_S``. A process that cannot use the file (a read-only ``/dev/shm``, a file not its
-user's) keeps the same state privately. All times are ``time.monotonic()``, one clock for every process.
+**Where it lives.** One file per user, ``/dev/shm/blobdata-<uid>/throttle-v1.bin`` (the node's directory of
+:mod:`blobdata._node`: 0700,
+file 0600; the temporary directory where there is no ``/dev/shm``), mapped into each process and
+changed under an ``fcntl`` lock: a table of stores (keyed by a hash of the protocol, endpoint, bucket
+and, for S3, the folder's first path segment: S3 limits per prefix) and a table of owners (pid, start
+time, store, heartbeat, requests in flight). Entries of processes that are gone are swept: an owner
+holds a lock on its entry's byte of ``throttle-v1.bin.owners`` for as long as it owns it, so one of
+another pid namespace is not taken for dead (:class:`blobdata._node.owners.SlotLocks`; pid and start
+time where that file cannot be used), and a store no live process uses is forgotten after
+``IDLE_S``. A process that cannot use the file (a read-only ``/dev/shm``, a file not its user's)
+keeps the same state privately. All times are ``time.monotonic()``, one clock for every process.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class Table:
         self._tlock = threading.Lock()
         self._fd = -1
         self._mm: mmap.mmap | None = None
+        self.locks: _owners.SlotLocks | None = None  # owners' liveness by lock (None: by pid)
         if path is None:
             self.v = cast(Slots, memoryview(bytearray(SIZE * 8)).cast("d"))
             self._init()
@@ -126,6 +130,14 @@ class Table:
             os.close(fd)
             raise
         self._fd = fd
+        with contextlib.suppress(OSError):
+            self.locks = _owners.SlotLocks(path + ".owners")
+
+    def owner_gone(self, o: int, pid: int, since: float) -> bool:
+        """Whether the owner in entry ``o`` has exited: by its lock, else by pid and start time."""
+        if self.locks is not None:
+            return self.locks.gone((o - _OWNERS0) // O_FIELDS)
+        return not _owners.alive(pid, since)
 
     def _init(self) -> None:
         v = self.v
@@ -158,7 +170,7 @@ class Table:
             if not pid:
                 continue
             stale = thorough or now - v[o + O_BEAT] > BEAT_S
-            if pid != _process.pid() and stale and not _owners.alive(pid, v[o + O_START]):
+            if pid != _process.pid() and stale and self.owner_gone(o, pid, v[o + O_START]):
                 for f in range(O_FIELDS):
                     v[o + f] = 0.0
                 continue
@@ -269,6 +281,9 @@ class Limit:
         entries = range(_OWNERS0, _OWNERS0 + OWNERS * O_FIELDS, O_FIELDS)
         mine = [o for o in entries if int(v[o + O_PID]) == pid and v[o + O_KEY] == key]
         free_owner = mine or [o for o in entries if not v[o + O_PID]]
+        locks = self.table.locks
+        if locks is not None:  # an entry whose lock a live process still holds is not free
+            free_owner = [o for o in free_owner[:8] if locks.claim((o - _OWNERS0) // O_FIELDS)][:1]
         self.owner = free_owner[0] if free_owner else -1  # no room: the store works, unowned
         if self.owner >= 0:
             o = self.owner
@@ -401,6 +416,8 @@ class Limit:
             if self.owner >= 0 and int(v[self.owner + O_PID]) == _process.pid():
                 for f in range(O_FIELDS):
                     v[self.owner + f] = 0.0
+                if self.table.locks is not None:
+                    self.table.locks.release((self.owner - _OWNERS0) // O_FIELDS)
             self.owner = -1
 
     def snapshot(self, now: float) -> dict[str, float]:

@@ -13,7 +13,7 @@ module             its one job
 
 from __future__ import annotations
 
-from .distributed import dist_info, env_info, shared_manifest
+from .distributed import dist_info, env_info, shared_file, shared_manifest
 from .filters import UNIDENTIFIED, filter_identity
 from .folders import IMG_EXTENSIONS, identity_from_info, list_folder, list_with, listing_params, load_or_list
 from .manifest import Manifest, manifest_path
@@ -31,5 +31,6 @@ __all__ = [
     "listing_params",
     "load_or_list",
     "manifest_path",
+    "shared_file",
     "shared_manifest",
 ]

@@ -16,6 +16,8 @@ rank has an identical sample table even if the bucket changes meanwhile.
   address and port, the restart count) and the URL, under ``BLOBDATA_SHARED_DIR`` (default: the
   cache home), and the others wait for it (``BLOBDATA_SHARED_TIMEOUT`` seconds, default 600). With
   several nodes that directory must be shared by them; otherwise initialise the process group first.
+  Only this user's own regular files are read there, and only from a directory nobody else can
+  replace them in (:mod:`blobdata._node.files`); rank 0's ``.error`` file follows no link.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._config import cache_home, env, parse_duration
-from .._errors import ConfigError, ManifestError, NotFound
+from .._errors import ConfigError, ManifestError
+from .._node import check_shared_dir, read_own, write_own
+from .._url import check_relkeys
 from .manifest import Manifest
 
 __all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"]
@@ -36,6 +40,7 @@ __all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"
 _POLL_SECONDS = 0.05
 #: Hand-over files older than this are removed by the next job's rank 0 (seconds).
 _KEEP_SECONDS = 24 * 3600
+_ERROR_BYTES = 64 * 1024  # of rank 0's error message, read at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +137,7 @@ def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo) -> Manif
     data = buf.cpu().numpy().tobytes()
     if n < 0:
         raise ManifestError(f"rank 0 could not list {root}: {data.decode('utf-8', 'replace')}", url=root)
-    return Manifest.from_bytes(data, source=f"{root} (from rank 0)")
+    return _received(Manifest.from_bytes(data, source=f"{root} (from rank 0)"), root, f"{root} (from rank 0)")
 
 
 def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
@@ -149,13 +154,15 @@ def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
 def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str) -> Manifest:
     path = shared_file(root, key, info.nnodes)
     failed = path.with_suffix(".error")
+    # Only this user's own files are trusted, in a directory nobody else can replace them in (_node.files).
+    check_shared_dir(str(path.parent), setting="BLOBDATA_SHARED_DIR")
     if info.rank == 0:
         failed.unlink(missing_ok=True)  # an earlier run's
         try:
             manifest = make()
         except Exception as exc:
-            failed.parent.mkdir(parents=True, exist_ok=True)
-            failed.write_text(f"{type(exc).__name__}: {exc}", encoding="utf-8")
+            failed.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_own(str(failed), f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
             raise
         manifest.save(path)  # atomic: the others never see half a file
         _forget_old(path.parent)
@@ -163,13 +170,13 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
     timeout = parse_duration(env("BLOBDATA_SHARED_TIMEOUT") or 600, name="BLOBDATA_SHARED_TIMEOUT")
     deadline = time.monotonic() + timeout
     while True:
-        if failed.exists():
-            text = failed.read_text(encoding="utf-8", errors="replace")
-            raise ManifestError(f"rank 0 could not list {root}: {text}", url=root)
-        try:
-            return Manifest.load(path, expect_root=root)
-        except NotFound:
-            pass
+        check_shared_dir(str(path.parent), setting="BLOBDATA_SHARED_DIR")  # it may appear meanwhile
+        text = read_own(str(failed), limit=_ERROR_BYTES)
+        if text is not None:
+            raise ManifestError(f"rank 0 could not list {root}: {text.decode('utf-8', 'replace')}", url=root)
+        data = read_own(str(path))
+        if data is not None:
+            return _received(Manifest.from_bytes(data, source=str(path)), root, str(path))
         if time.monotonic() > deadline:
             raise ManifestError(
                 f"rank {info.rank} waited {timeout:.0f}s for rank 0's listing of {root} in {path}: "
@@ -178,6 +185,16 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
                 url=root,
             )
         time.sleep(_POLL_SECONDS)
+
+
+def _received(manifest: Manifest, root: str, source: str) -> Manifest:
+    """Rank 0's manifest, checked as ``Manifest.load(expect_root=root)`` and ``load_or_list`` check it."""
+    if manifest.root != root:
+        raise ManifestError(f"manifest {source} lists {manifest.root}, not {root}", url=source)
+    if root.startswith("file://"):  # its keys become local paths: none may leave the root
+        arrays = manifest._arrays()
+        check_relkeys(arrays["keys"], arrays["key_offsets"], root=root)
+    return manifest
 
 
 def _forget_old(directory: Path) -> None:

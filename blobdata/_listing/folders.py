@@ -35,7 +35,7 @@ from .._stores import (
     listing_scope,
     resolve_storage_options,
 )
-from .._url import BlobURL, parse_url
+from .._url import BlobURL, check_relkeys, parse_url
 from .filters import UNIDENTIFIED, filter_identity
 from .manifest import Manifest, manifest_path
 
@@ -300,6 +300,9 @@ def load_or_list(
         m_proto = parse_url(source).protocol if "://" in source else "file"
         m_opts = opts if m_proto == parsed.protocol else None
         loaded = Manifest.load(source, storage_options=m_opts, expect_root=root, progress=progress)
+        if parsed.protocol == "file":  # its keys become local paths: none may leave the root
+            arrays = loaded._arrays()
+            check_relkeys(arrays["keys"], arrays["key_offsets"], root=root)
         if not allow_empty:
             _check_nonempty(loaded, exts)
         return loaded

@@ -6,23 +6,29 @@ module             its one job
 =================  ==========================================================================
 ``shm``            ``/dev/shm/blobdata-<uid>/``: the root, the naming rule, owned dirs, the sweep
 ``owners``         is the process that left shared state behind still running (pid, start time)
+``files``          files ranks hand each other: read only if this user's own, written following no link
 =================  ==========================================================================
 """
 
 from __future__ import annotations
 
 from . import shm
+from .files import check_shared_dir, read_own, write_own
 from .owners import alive, per_user_dir, remove_owned_tree, started
-from .shm import make_owned_dir, shm_root, sweep, user_dir
+from .shm import make_locked_dir, make_owned_dir, shm_root, sweep, user_dir
 
 __all__ = [
     "alive",
+    "check_shared_dir",
+    "make_locked_dir",
     "make_owned_dir",
     "per_user_dir",
+    "read_own",
     "remove_owned_tree",
     "shm",
     "shm_root",
     "started",
     "sweep",
     "user_dir",
+    "write_own",
 ]

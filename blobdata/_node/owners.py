@@ -6,17 +6,36 @@ killer, a preempted node) cannot remove its share, so whoever comes next sweeps 
 left. An owner is named by its pid and, where the system tells it (Linux ``/proc``), the time it
 started: a pid reused by another process since is not mistaken for the owner.
 
+A pid proves nothing across pid namespaces: containers of one pod share ``/dev/shm`` but not their
+pids, so a live owner in another container looks dead here. So an owner also proves that it lives
+with a lock it holds for its whole life (:func:`hold`: an exclusive ``flock`` on ``.owner.lock`` in
+its directory; the kernel drops it when the owner exits, however it dies, and it is the same lock in
+every pid namespace). A sweeper that can take that lock knows the owner is gone (:func:`owner_gone`);
+the pid is only a fallback for directories made before the lock existed.
+
 Only this user's things are ever looked at or removed (checked by ``lstat``, never following a link).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import stat
 
-__all__ = ["alive", "per_user_dir", "remove_owned_tree", "started"]
+__all__ = [
+    "LOCK_NAME",
+    "SlotLocks",
+    "alive",
+    "hold",
+    "owner_gone",
+    "per_user_dir",
+    "remove_owned_tree",
+    "started",
+]
+
+LOCK_NAME = ".owner.lock"
 
 _BOOT: float | None = None
 _TICKS = 100.0
@@ -109,3 +128,87 @@ def remove_owned_tree(path: str) -> bool:
         return False
     shutil.rmtree(path, ignore_errors=True)
     return not os.path.lexists(path)
+
+
+def hold(directory: str) -> int:
+    """Take the owner's lock of ``directory`` (this process made it); returns the descriptor, to keep
+    open for as long as the directory is in use (closing it lets a sweeper remove the directory).
+    Forked children share the lock; OSError if another process holds it."""
+    fd = os.open(
+        os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def owner_gone(directory: str) -> bool | None:
+    """Whether the process that holds ``directory``'s owner lock has exited, in whatever pid namespace
+    it ran: True if the lock can be taken, False if it is held (or the lock file is not this user's
+    regular file), None if the directory has no lock file (made before the lock existed: judge by
+    :func:`alive`)."""
+    try:
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held (EWOULDBLOCK)
+        return False
+    finally:
+        os.close(fd)  # drops the lock just taken
+    return True
+
+
+class SlotLocks:
+    """Liveness of the owners of a table's slots, by lock: a process holds a POSIX record lock on byte
+    ``slot`` of the file ``path`` for as long as it owns that slot (:meth:`claim`, :meth:`release`; the
+    kernel drops it when the process exits), and a sweeper that can take a slot's byte knows its owner
+    is gone (:meth:`gone`), whatever pid namespace it ran in. One object per process: POSIX locks are
+    not inherited by a fork, and closing any descriptor of the file would drop them, so the file is
+    never closed. OSError if ``path`` cannot be opened as this user's own file."""
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            os.close(fd)
+            raise PermissionError(f"{path} is not a file of this user's only")
+        self._fd = fd
+        self._mine: set[int] = set()
+
+    def claim(self, slot: int) -> bool:
+        """Hold ``slot``'s lock; False if another live process holds it."""
+        if slot not in self._mine:
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+            except OSError:
+                return False
+            self._mine.add(slot)
+        return True
+
+    def release(self, slot: int) -> None:
+        if slot in self._mine:
+            self._mine.discard(slot)
+            with contextlib.suppress(OSError):
+                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
+
+    def gone(self, slot: int) -> bool:
+        """Whether nobody holds ``slot``'s lock (its owner exited, or never took one)."""
+        if slot in self._mine:
+            return False
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+        except OSError:
+            return False
+        with contextlib.suppress(OSError):
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
+        return True

@@ -14,18 +14,21 @@ directory. Inside it, names say what a thing is and who made it:
 
 A thing named ``<kind>-<pid>-...`` belongs to the process ``pid``; once that process is gone,
 :func:`sweep` removes it (a process killed by SIGKILL cannot remove its own, and ``/dev/shm`` is memory).
-Nothing outside this user's directory is ever swept.
+A directory made by :func:`make_locked_dir` holds its owner's lock for the owner's life, so an owner
+in another pid namespace (containers sharing ``/dev/shm``) is never taken for dead; one without a lock
+is judged by its pid and start time. Nothing outside this user's directory is ever swept.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 from .. import _process
-from .owners import alive, per_user_dir, remove_owned_tree
+from .owners import alive, hold, owner_gone, per_user_dir, remove_owned_tree
 
-__all__ = ["make_owned_dir", "shm_root", "sweep", "user_dir"]
+__all__ = ["make_locked_dir", "make_owned_dir", "shm_root", "sweep", "user_dir"]
 
 _SHM = "/dev/shm"
 
@@ -53,6 +56,24 @@ def make_owned_dir(kind: str, root: str | None = None) -> str:
     return path
 
 
+def make_locked_dir(kind: str, root: str | None = None) -> tuple[str, int]:
+    """As :func:`make_owned_dir`, holding the directory's owner lock (the descriptor returned: keep it
+    open while the directory is in use). The lock is taken before the directory bears its owner's
+    name, so a sweeper never sees it unlocked."""
+    parent = user_dir(root) or root or shm_root()
+    sweep(kind, parent)
+    tmp = tempfile.mkdtemp(prefix=f".{kind}-new-", dir=parent)
+    os.chmod(tmp, 0o700)
+    try:
+        lock = hold(tmp)
+        path = os.path.join(parent, f"{kind}-{_process.pid()}-{tmp.rpartition('-')[2]}")
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path, lock
+
+
 def sweep(kind: str, parent: str | None = None) -> list[str]:
     """Remove the directories ``<kind>-<pid>-*`` in ``parent`` (this user's directory by default) whose
     process is gone: a pid now held by a process that started after the directory was last written is
@@ -77,6 +98,9 @@ def sweep(kind: str, parent: str | None = None) -> list[str]:
             continue
         if not pid_text.isdigit() or st.st_uid != uid or int(pid_text) == _process.pid():
             continue
-        if not alive(int(pid_text), since=st.st_mtime) and remove_owned_tree(path):
+        gone = owner_gone(path)  # by the owner's lock, whatever pid namespace it ran in
+        if gone is None:  # no lock: judged by pid and start time
+            gone = not alive(int(pid_text), since=st.st_mtime)
+        if gone and remove_owned_tree(path):
             removed.append(path)
     return removed

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from blobdata._cache import (
+    MIN_LIMIT,
     SLACK_BYTES,
     WAL_SLACK_BYTES,
     BlobCache,
@@ -364,7 +365,7 @@ def test_existing_cache_directory_is_tightened(tmp_path: Path) -> None:
 
 
 def test_admit_keeps_what_it_has_and_never_writes_on_get(tmp_path: Path, store: str) -> None:
-    cache = BlobCache(tmp_path, size_limit=0)
+    cache = BlobCache(tmp_path, size_limit=MIN_LIMIT)
     base = cache.stats().volume_bytes
     cache = BlobCache(tmp_path, size_limit=base + 2 * BIG + 40_000)
     assert cache.put("s3://b/a", "e", value(1, BIG))
@@ -383,7 +384,7 @@ def test_admit_keeps_what_it_has_and_never_writes_on_get(tmp_path: Path, store: 
 
 
 def test_lru_evicts_the_least_recently_used(tmp_path: Path, store: str) -> None:
-    base = BlobCache(tmp_path, size_limit=0).stats().volume_bytes
+    base = BlobCache(tmp_path, size_limit=MIN_LIMIT).stats().volume_bytes
     cache = BlobCache(tmp_path, size_limit=base + 2 * BIG + 40_000, policy="lru")
     assert cache.put("s3://b/a", "e", value(1, BIG))
     assert cache.put("s3://b/b", "e", value(2, BIG))
@@ -887,8 +888,8 @@ def test_size_accounting_property(
     ops: list[tuple[str, int, int]], sizes: list[int], policy: str, room: int
 ) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        base = BlobCache(tmp, size_limit=0).stats().volume_bytes
-        limit = base + room
+        base = BlobCache(tmp, size_limit=MIN_LIMIT).stats().volume_bytes
+        limit = max(base + room, MIN_LIMIT)
         cache = BlobCache(tmp, size_limit=limit, policy=policy)  # type: ignore[arg-type]
         model: dict[int, tuple[int, bytes]] = {}  # url -> (identity, bytes), exact for "admit"
         puts = gets = 0

@@ -164,7 +164,7 @@ def test_dry_run_fetches_nothing(s3_bucket: Any, tmp_path: Path, capsys: pytest.
     with BlobCache(tmp_path / "c") as cache:
         assert cache.info()["entries"] == 0
 
-    code, out, _ = warm(capsys, s3_bucket, tmp_path / "c", "--dry-run", "--cache-size", "50kB")
+    code, out, _ = warm(capsys, s3_bucket, tmp_path / "d", "--dry-run", "--cache-size", "70kB")
     assert code == 1 and "does NOT fit" in out  # a failure to scripts
 
 

@@ -45,7 +45,8 @@ def test_warm_dry_run_writes_nothing_and_fails_when_it_does_not_fit(
     code = main(["warm", str(data), "--cache-dir", str(cache), "--dry-run", "-q"])
     assert code == 0 and "fits in" in capsys.readouterr().out
     assert not cache.exists()  # before: the directory was created
-    code = main(["warm", str(data), "--cache-dir", str(cache), "--cache-size", "100", "--dry-run", "-q"])
+    (data / "class0000" / "big.png").write_bytes(b"x" * 100_000)
+    code = main(["warm", str(data), "--cache-dir", str(cache), "--cache-size", "64KiB", "--dry-run", "-q"])
     assert code == 1 and "does NOT fit" in capsys.readouterr().out  # before: exit 0
     assert not cache.exists()
 
