@@ -46,7 +46,7 @@ def next_commands(url: str, cache_dir: str) -> list[str]:
     return [
         f"blobdata ls {url}",
         f"blobdata warm {url} --cache-dir {cache}",
-        f"python examples/train_resnet.py {url} --cache-dir {cache} --model small --steps 30 --workers 2",
+        f"python examples/train_resnet.py {url} --cache-dir {cache} --model small --batch-size 32 --steps 20 --workers 2",
         f"blobdata bench {url} --cache-dir {cache} --batches 20 --workers 2",
     ]
 
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--demo", action="store_true", help="upload a generated ImageNet-like dataset to s3://BUCKET/train"
     )
-    p.add_argument("--images", type=int, default=1000, help="with --demo: JPEGs to generate (default 1000)")
+    p.add_argument("--images", type=int, default=500, help="with --demo: JPEGs to generate (default 500)")
     p.add_argument("--classes", type=int, default=10, help="with --demo: class folders (default 10)")
     p.add_argument("--bucket", default="demo", help="the bucket to create (default demo)")
     p.add_argument("--port", type=int, default=None, help="the S3 port (default: a free one)")
