@@ -131,8 +131,9 @@ def test_package_builds_as_wheel_and_sdist(tmp_path: Path) -> None:
 
 
 def test_train_resnet_help_explains_every_option() -> None:
-    done = subprocess.run([sys.executable, "examples/train_resnet.py", "--help"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "examples/train_resnet.py", "--help"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr
     options = re.findall(r"^  (--[a-z-]+)", done.stdout, re.M)
     assert {"--steps", "--limit", "--model", "--cache-size", "--log-every"} <= set(options), done.stdout

@@ -46,7 +46,8 @@ def next_commands(url: str, cache_dir: str) -> list[str]:
     return [
         f"blobdata ls {url}",
         f"blobdata warm {url} --cache-dir {cache}",
-        f"python examples/train_resnet.py {url} --cache-dir {cache} --model small --batch-size 32 --steps 20 --workers 2",
+        f"python examples/train_resnet.py {url} --cache-dir {cache} --model small --batch-size 32 "
+        "--steps 20 --workers 2",
         f"blobdata bench {url} --cache-dir {cache} --batches 20 --workers 2",
     ]
 
