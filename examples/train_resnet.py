@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -101,7 +102,9 @@ def _args() -> argparse.Namespace:
         help="small: a tiny residual net (CPU-friendly); resnet18/50 need torchvision; "
         "auto (default): resnet50 with torchvision, else small",
     )
-    p.add_argument("--epochs", type=int, default=1, help="epochs to train (default 1)")
+    p.add_argument(
+        "--epochs", type=int, default=None, help="epochs to train (default 1, or as many as --steps needs)"
+    )
     p.add_argument(
         "--steps", type=int, default=None, help="stop after this many steps in all, per rank (default: none)"
     )
@@ -177,7 +180,8 @@ def main() -> None:
     mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255
     step = 0
-    for epoch in range(args.epochs):
+    epochs = args.epochs if args.epochs is not None else (1 if args.steps is None else sys.maxsize)
+    for epoch in range(epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
         t0, seen, loss = time.perf_counter(), 0, None
