@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--buffer-size", default="256MiB", help="fetched bytes held in memory at most (default 256MiB)"
     )
-    w.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar (as --quiet)")
     w.set_defaults(func=cmd_warm)
 
     ls = sub.add_parser("ls", parents=[common, listing], help="list a folder: classes, objects, bytes")
