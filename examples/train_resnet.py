@@ -217,7 +217,7 @@ def main() -> None:
             rate = seen / (time.perf_counter() - t0)
             last = f"{float(loss.detach()):.3f}" if loss is not None else "n/a (no batch)"
             print(f"epoch {epoch}: {seen} images, {rate:.0f} images/s per rank, loss {last}", flush=True)
-            print(f"  data: {loader.stats().summary()}", flush=True)
+            print(f"  data so far: {loader.stats().summary()}", flush=True)
         if args.steps is not None and step >= args.steps:
             break
     if distributed:

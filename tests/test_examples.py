@@ -156,4 +156,4 @@ def test_train_resnet_short_run_prints_progress_per_step(
     )
     assert steps == ["1", "2", "3"], out  # --steps 3 stops the run, --epochs 5 notwithstanding
     assert "epoch 1" not in out
-    assert "epoch 0: 6 images" in out and "data: 6 samples" in out, out
+    assert "epoch 0: 6 images" in out and "data so far: 6 samples served" in out, out
