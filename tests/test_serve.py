@@ -137,7 +137,7 @@ def test_a_server_started_in_a_helper_thread_outlives_the_thread() -> None:
     assert box, "the server did not start"
     server = box[0]
     try:
-        time.sleep(0.5)  # PDEATHSIG would have fired by now
+        assert server.wait(timeout=0.5) is None  # still serving: PDEATHSIG would have fired by now
         assert server.running
         server.create_bucket("after")
         # upload() returns how many objects it uploaded (it returned bytes before).
@@ -152,3 +152,26 @@ def test_testing_main_without_serve_says_how_to_use_it() -> None:
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert done.returncode == 2
     assert "python -m blobdata.testing serve" in done.stderr
+
+
+@pytest.mark.network
+@pytest.mark.timeout(120)
+def test_serve_says_when_its_server_dies(tmp_path: Path) -> None:
+    import psutil
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "blobdata", "serve", "--backend", BACKEND],
+        cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _read_until(proc, "Serving until Ctrl-C", timeout_s=90)
+        children = psutil.Process(proc.pid).children()
+        assert len(children) == 1, children  # the S3 server, in its own process group
+        os.killpg(children[0].pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert proc.returncode == 1, (out, err)
+    assert "the S3 server exited on its own (code -9)" in err, err

@@ -137,10 +137,10 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
         lines += ["", "Serving until Ctrl-C (the data goes with the server)."]
         print("\n".join(lines), file=out, flush=True)
         serving = True
-        while server.running:
-            time.sleep(0.5)
+        code = server.wait()  # until Ctrl-C (KeyboardInterrupt) or SIGTERM (made one, above)
         print(
-            f"blobdata serve: the S3 server exited on its own; its log:\n{server.log_tail()}", file=sys.stderr
+            f"blobdata serve: the S3 server exited on its own (code {code}); its log:\n{server.log_tail()}",
+            file=sys.stderr,
         )
         return EXIT_FAILED
     except KeyboardInterrupt:

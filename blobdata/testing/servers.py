@@ -163,6 +163,25 @@ class _ServerProcess:
         """Whether the server process is up (started, not stopped, not exited on its own)."""
         return self._proc is not None and self._proc.poll() is None
 
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Block until the server process exits, or ``timeout`` seconds pass: its exit code, or None
+        while it runs. Ctrl-C interrupts the wait (KeyboardInterrupt), as in ``blobdata serve``::
+
+            with LocalS3Server() as s3:
+                ...                      # print how to reach it
+                s3.wait()                # serve until Ctrl-C; leaving the block stops the server
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (proc := self._proc) is not None:
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            try:
+                return proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                continue
+        return None
+
     def _command(self, tmpdir: Path) -> list[str]:
         raise NotImplementedError
 
