@@ -14,8 +14,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 matplotlib.rcParams["svg.hashsalt"] = "blobdata"  # the same SVG for the same table: diffs stay clean
-import matplotlib.pyplot as plt
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "performance"
 
