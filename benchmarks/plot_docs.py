@@ -14,7 +14,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 matplotlib.rcParams["svg.hashsalt"] = "blobdata"  # the same SVG for the same table: diffs stay clean
 
