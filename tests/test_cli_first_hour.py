@@ -162,3 +162,18 @@ def test_warm_draws_bars_on_a_terminal_only(s3_bucket: Any, tmp_path: Path) -> N
     done = subprocess.run([*base, "--cache-dir", str(tmp_path / "c")], env=_env(), capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0 and "warm:" not in done.stderr and "\r" not in done.stderr, done.stderr
+
+
+def test_ctrl_c_while_the_console_script_imports_is_one_line() -> None:
+    """The ``blobdata`` script imports the package (numpy, ...) before any of its code runs: an
+    interrupt there is said in one line too. (Simulated: the interrupt is raised right after the import.)"""
+    code = "import sys; sys.argv[0] = '/venv/bin/blobdata'; import blobdata; raise KeyboardInterrupt"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode in (-signal.SIGINT, 128 + signal.SIGINT), done.returncode
+    assert done.stderr.strip() == "blobdata: interrupted", done.stderr
+    # Any other program that imports blobdata keeps Python's own handling.
+    other = subprocess.run([sys.executable, "-c", "import blobdata; raise KeyboardInterrupt"], env=_env(),
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert "Traceback" in other.stderr
