@@ -425,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             client = _s3_client(server.endpoint_url, server)
             client.create_bucket(Bucket=BUCKET)
             t0 = time.perf_counter()
-            sent = upload(client, BUCKET, data.items())
+            upload(client, BUCKET, data.items())
+            sent = data.total_bytes + sum(data.shard_sizes)
             print(
                 f"uploaded {len(data.keys)} JPEGs + {len(data.shard_keys)} shards ({sent / 1e6:.0f} MB) to "
                 f"s3://{BUCKET} in {time.perf_counter() - t0:.1f}s (SeaweedFS pid {server.pid})",

@@ -5,8 +5,20 @@
 >>> loader = ds.dataloader(batch_size=256, shuffle=True, num_workers=8)
 """
 
+import sys as _sys
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
+
+if _sys.argv and _sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] in ("blobdata", "blobdata.exe"):
+    # The `blobdata` console script imports this package before its own code runs: a Ctrl-C during
+    # these imports (numpy, ...) is said in one line, as later ones are, not as a traceback.
+    def _quiet_interrupt(kind: _Any, value: _Any, tb: _Any, _previous: _Any = _sys.excepthook) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            print("\nblobdata: interrupted", file=_sys.stderr)
+        else:
+            _previous(kind, value, tb)
+
+    _sys.excepthook = _quiet_interrupt
 
 from ._cache import BlobCache, CacheStats
 from ._cli import WarmSummary

@@ -77,13 +77,24 @@ def run(coro: Awaitable[T], timeout: float | None = None) -> T:
     if threading.current_thread() is _state["thread"]:
         raise RuntimeError("blobdata._loop.run() called from the blobdata event loop thread")
 
-    async def _wrap() -> T:
-        return await coro
+    abandoned = False
+
+    async def _wrap() -> T | None:
+        try:
+            return await coro
+        except BaseException:
+            if abandoned:
+                # The caller left (Ctrl-C, a timeout) and cancelled us: nobody reads this error, and
+                # asyncio would print it as "Task exception was never retrieved" (a raw traceback,
+                # such as "cannot schedule new futures after interpreter shutdown" at exit).
+                return None
+            raise
 
     future = asyncio.run_coroutine_threadsafe(_wrap(), loop)
     try:
-        return future.result(timeout)
+        return future.result(timeout)  # type: ignore[return-value]  # None only once abandoned
     except BaseException:
+        abandoned = True
         future.cancel()
         raise
 

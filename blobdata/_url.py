@@ -73,6 +73,10 @@ def parse_url(url: str | os.PathLike[str]) -> BlobURL:
         raise ConfigError(f"expected a URL such as s3://bucket/prefix or a local path, got {url!r}")
     scheme, sep, rest = text.partition("://")
     if not sep:
+        typo = _one_slash(text)
+        if typo is not None:
+            raise ConfigError(f"{text!r} is not a URL: did you mean {typo!r}? (a store URL has two slashes "
+                              "after its scheme; a path without one is a local path)", url=text)  # fmt: skip
         # A plain local path (Windows drive letters are not special-cased here).
         return BlobURL("file", "", os.path.abspath(os.path.expanduser(text)).rstrip("/") or "/")
     protocol = _ALIASES.get(scheme.lower())
@@ -93,6 +97,14 @@ def parse_url(url: str | os.PathLike[str]) -> BlobURL:
     if urlsplit(text).query:
         raise ConfigError(f"query strings are not supported in {text!r}", url=text)
     return BlobURL(protocol, bucket, prefix.strip("/"))
+
+
+def _one_slash(text: str) -> str | None:
+    """``s3:/bucket/x`` or ``s3:bucket/x`` (a store's scheme without its ``//``): the URL meant."""
+    scheme, colon, rest = text.partition(":")
+    if not colon or _ALIASES.get(scheme.lower()) not in CLOUD_PROTOCOLS or not rest.strip("/"):
+        return None
+    return f"{scheme}://{rest.lstrip('/')}"
 
 
 def safe_relpath(key: str, *, url: str | None = None) -> str:

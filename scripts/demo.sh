@@ -4,6 +4,7 @@
 # Arguments go to `blobdata demo` (see `bash scripts/demo.sh --help`).
 set -euo pipefail
 BLOBDATA_EXTRAS="${BLOBDATA_EXTRAS:-test}"
+BLOBDATA_AZURITE=0  # the demo runs on the S3 server alone: no Azure emulator to install
 source "$(dirname "$0")/setup.sh"
 
 step "blobdata demo $*"

@@ -42,8 +42,9 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]] || ! python -c 'import bl
 fi
 
 # Azurite (npm) for the az:// tests. Installed into the venv's own prefix, never globally; when npm
-# is missing or fails, the Azurite tests skip with the reason instead of failing the run.
-if ! command -v azurite-blob >/dev/null 2>&1; then
+# is missing or fails, the Azurite tests skip with the reason instead of failing the run. The demo
+# uses only the S3 server: scripts/demo.sh sets BLOBDATA_AZURITE=0 and installs no emulator.
+if [[ "${BLOBDATA_AZURITE:-1}" == "1" ]] && ! command -v azurite-blob >/dev/null 2>&1; then
     export PATH="$VENV/npm/bin:$PATH"
     if ! command -v azurite-blob >/dev/null 2>&1; then
         if command -v npm >/dev/null 2>&1; then

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run every check: ruff, mypy, pytest, in .venv (set up on first use). CI runs this via .ci/run.
+# Run every check: ruff, mypy, the documentation site (mkdocs build --strict: no broken link or
+# reference), pytest, in .venv (set up on first use). CI runs this via .ci/run.
 set -euo pipefail
 source "$(dirname "$0")/setup.sh"
 
@@ -8,6 +9,10 @@ step "ruff check"
 ruff check blobdata tests || failed+=("ruff")
 step "mypy"
 mypy || failed+=("mypy")
+step "mkdocs build --strict"
+site="$(mktemp -d)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$site" || failed+=("mkdocs")
+rm -rf "$site"
 step "pytest"
 python -m pytest -q || failed+=("pytest")
 

@@ -128,3 +128,32 @@ def test_package_builds_as_wheel_and_sdist(tmp_path: Path) -> None:
     assert not [line for line in runtime if "diskcache" in line]  # the cache owns its SQLite schema
     sdists = list(out.glob("*.tar.gz"))
     assert sdists and sdists[0].stat().st_size > 10_000, (sorted(p.name for p in out.iterdir()), done.stdout)
+
+
+def test_train_resnet_help_explains_every_option() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "examples/train_resnet.py", "--help"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    options = re.findall(r"^  (--[a-z-]+)", done.stdout, re.M)
+    assert {"--steps", "--limit", "--model", "--cache-size", "--log-every"} <= set(options), done.stdout
+    # Every option has its help text: argparse prints an option without help alone on its line.
+    bare = re.findall(r"^  (--[a-z-]+(?: [A-Z_]+)?)\n(?!   )", done.stdout, re.M)
+    assert not bare, f"options without help: {bare}"
+    assert "(default: None)" not in done.stdout
+
+
+def test_train_resnet_short_run_prints_progress_per_step(
+    dataset: tuple[str, dict[str, str]], tmp_path: Path
+) -> None:
+    url, env = dataset
+    out = _run([sys.executable, "examples/train_resnet.py", url, "--endpoint-url", env["AWS_ENDPOINT_URL_S3"],
+                "--model", "small", "--workers", "0", "--batch-size", "2", "--limit", "8", "--steps", "3",
+                "--log-every", "1", "--epochs", "5", "--cache-dir", str(tmp_path / "c")], env)  # fmt: skip
+    assert "8 images in 3 classes" in out  # --limit: a subset of the 12
+    steps = re.findall(
+        r"^epoch 0 step (\d+): \d+ images/s, data wait \d+% \(\d+ ms/step\), loss [\d.]+$", out, re.M
+    )
+    assert steps == ["1", "2", "3"], out  # --steps 3 stops the run, --epochs 5 notwithstanding
+    assert "epoch 1" not in out
+    assert "epoch 0: 6 images" in out and "data so far: 6 samples served" in out, out

@@ -16,7 +16,7 @@ module             its one job
 from __future__ import annotations
 
 from . import warm
-from .bench import BenchResult, plot, run_bench
+from .bench import BenchResult, advise, plot, run_bench
 from .main import entry, main, parse_storage_options
 from .warm import human_size, warm_cache
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, WarmSummary
@@ -28,6 +28,7 @@ __all__ = [
     "EXIT_USAGE",
     "BenchResult",
     "WarmSummary",
+    "advise",
     "entry",
     "human_size",
     "main",

@@ -169,7 +169,8 @@ def advise(
         )
     if cache_dir is None and s.hit_rate == 0:
         advice.append(
-            "no cache: every epoch reads the bucket; set cache_dir (an SSD) to read later epochs locally"
+            "no cache: every epoch reads the bucket; pass --cache-dir (an SSD; cache= in Python) to read "
+            "later epochs locally"
         )
     return verdict, advice
 

@@ -97,6 +97,25 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
     )
 
 
+def _from_memory(m: Any, args: argparse.Namespace, started: float) -> str | None:
+    """How the listing ``m`` was had when it was not listed just now: remembered from an earlier run
+    (it checked no credentials) or read from ``--manifest``; None for a fresh listing."""
+    if m.listed_at >= started:  # a fresh listing notes its start, after ``started``
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.listed_at))
+    age = _age(time.time() - m.listed_at)
+    if args.manifest:
+        return f"listing from --manifest {args.manifest}, made {when} ({age} ago)"
+    return f"remembered listing from {when}, {age} old: --refresh lists the bucket again"
+
+
+def _age(seconds: float) -> str:
+    for unit, n in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= n:
+            return f"{seconds / n:.1f} {unit}"
+    return f"{max(0.0, seconds):.0f} s"
+
+
 # -- warm ----------------------------------------------------------------------------------------
 
 
@@ -115,8 +134,11 @@ def cmd_warm(args: argparse.Namespace) -> int:
         )
     log.debug("storage options: %s", redact(opts))
     resolved = resolve_storage_options(parse_url(url).protocol, opts)
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     manifest = _manifest_for(args, url, resolved)
+    memory = _from_memory(manifest, args, started)
+    if memory is not None:
+        print(f"{url}: {memory}", flush=True)
     indices = _node_share(args, len(manifest))
     log.debug("listing of %s: %d objects in %.2fs", url, len(manifest), time.monotonic() - t0)
     evicted = _make_room(args, manifest, indices, size) if args.cache_policy == "admit" else None
@@ -132,11 +154,14 @@ def cmd_warm(args: argparse.Namespace) -> int:
         manifest=manifest,
         indices=indices,
         buffer_size=args.buffer_size,
-        progress=not (args.no_progress or args.quiet),
+        # A bar only on a terminal: into a file or a pipe each redraw would be a line of \r noise.
+        progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(),
         dry_run=args.dry_run,
     )
     if args.dry_run:
         return EXIT_OK if summary.fits else EXIT_FAILED  # "does NOT fit" is a failure to scripts
+    if summary.denied and summary.first_error is not None and not summary.interrupted:
+        raise _denied(summary, memory)
     print_summary(
         summary, rank=args.rank, world_size=args.world_size, cache_dir=args.cache_dir, out=sys.stdout
     )
@@ -153,6 +178,23 @@ def cmd_warm(args: argparse.Namespace) -> int:
             raise first
         raise BlobdataError(f"every object failed; the first: {type(first).__name__}: {first}")
     return summary.exit_code()
+
+
+def _denied(summary: Any, memory: str | None) -> BlobdataError:
+    """The one message of a warm stopped by refused credentials."""
+    first = summary.first_error
+    before = f" after {summary.fetched} objects" if summary.fetched else ""
+    why = (
+        "; the listing was remembered, so these credentials were not checked before"
+        if memory is not None and memory.startswith("remembered")
+        else ""
+    )
+    text = f"{first}; warm stopped at the first refusal{before} (it will not get better){why}"
+    return (
+        type(first)(text, url=getattr(first, "url", None))
+        if isinstance(first, BlobdataError)
+        else (BlobdataError(text))
+    )
 
 
 def _node_share(args: argparse.Namespace, n: int) -> Any:
@@ -236,7 +278,9 @@ class EscapingFormatter(logging.Formatter):
 def cmd_ls(args: argparse.Namespace) -> int:
     url = str(parse_url(args.url))
     opts = resolve_storage_options(parse_url(url).protocol, parse_storage_options(args.storage_option or []))
+    started = time.time()
     m = _manifest_for(args, url, opts)
+    memory = _from_memory(m, args, started)
     counts = (
         np.bincount(m.targets, minlength=len(m.classes)) if len(m) else np.zeros(len(m.classes), np.int64)
     )
@@ -254,6 +298,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             "objects": len(m),
             "bytes": total,
             "listed_at": m.listed_at,
+            "remembered": memory is not None,
             "classes": [
                 {"name": c, "objects": int(n), "bytes": int(b)}
                 for c, n, b in zip(m.classes, counts, sizes, strict=True)
@@ -264,9 +309,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     names = [printable(c) for c in m.classes]  # names come from the bucket: escaped for the terminal
     width = max([len("class"), *(len(c) for c in names)])
-    listed = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.listed_at))
+    listed = memory if memory is not None else "listed now"
     root = printable(m.root)
-    print(f"{root}: {len(m.classes)} classes, {len(m)} objects, {human_size(total)} (listed {listed})")
+    print(f"{root}: {len(m.classes)} classes, {len(m)} objects, {human_size(total)} ({listed})")
     print(f"{'class':<{width}}  {'objects':>10}  {'bytes':>12}")
     for c, n, b in zip(names, counts, sizes, strict=True):
         print(f"{c:<{width}}  {int(n):>10}  {human_size(int(b)):>12}")

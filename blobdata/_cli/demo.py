@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -30,6 +31,13 @@ def _small_cnn(num_classes: int) -> torch.nn.Module:
         torch.nn.Flatten(),
         torch.nn.Linear(32, num_classes),
     )
+
+
+def _sized(objects: Iterable[tuple[str, bytes]], sizes: list[int]) -> Iterator[tuple[str, bytes]]:
+    """``objects`` as they are, noting each one's length in ``sizes`` (``upload`` counts objects)."""
+    for key, data in objects:
+        sizes.append(len(data))
+        yield key, data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         client.create_bucket(Bucket="demo")
         t0 = time.perf_counter()
-        sent = upload(client, "demo", synthetic_dataset(args.images, args.classes))
+        sizes: list[int] = []
+        upload(client, "demo", _sized(synthetic_dataset(args.images, args.classes), sizes))
         print(
-            f"uploaded {args.images} JPEGs ({sent / 1e6:.1f} MB) to s3://demo/train in "
+            f"uploaded {len(sizes)} JPEGs ({sum(sizes) / 1e6:.1f} MB) to s3://demo/train in "
             f"{time.perf_counter() - t0:.1f}s on {server.endpoint_url}"
         )
 

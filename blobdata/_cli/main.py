@@ -10,6 +10,7 @@
     blobdata cache trim --cache-dir D [--cache-size S] [URL --nnodes N --node-rank R]
     blobdata cache clear --cache-dir D --yes
     blobdata demo
+    blobdata serve --demo            # a local S3 server with a generated dataset, until Ctrl-C
 
 Exit codes: 0 success; 1 runtime failure (missing bucket, refused credentials, objects that could not
 be fetched, unusable cache); 2 usage or configuration error (bad URL, size, option, manifest);
@@ -147,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--buffer-size", default="256MiB", help="fetched bytes held in memory at most (default 256MiB)"
     )
-    w.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar (as --quiet)")
     w.set_defaults(func=cmd_warm)
 
     ls = sub.add_parser("ls", parents=[common, listing], help="list a folder: classes, objects, bytes")
@@ -184,6 +185,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "demo", help="train a small model from a local S3 server and a generated dataset", add_help=False
     )
+    sub.add_parser(
+        "serve", help="a local S3 server until Ctrl-C (--demo: with a generated dataset); prints the exports",
+        add_help=False,
+    )  # fmt: skip
     return parser
 
 
@@ -205,6 +210,15 @@ def _demo(argv: list[str]) -> int:
     from .demo import main as demo_main
 
     return int(demo_main(argv) or 0)
+
+
+def _serve(argv: list[str]) -> int:
+    from ..testing.serve import main as serve_main
+
+    try:
+        return serve_main(argv)
+    except SystemExit as exc:  # --help (0) or a usage error (2, printed by argparse)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,6 +244,8 @@ def _main(argv: list[str], debug: bool) -> int:
     rest = [a for a in argv if a != "--debug"]
     if rest and rest[0] == "demo":
         return _guarded(lambda: _demo(rest[1:]), debug)
+    if rest and rest[0] == "serve":
+        return _guarded(lambda: _serve(rest[1:]), debug)
     parser = _parser()
     try:
         args = parser.parse_args(argv)

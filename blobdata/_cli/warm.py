@@ -27,7 +27,7 @@ from typing import Any, Literal, TextIO
 import numpy as np
 
 from .._config import FetchOptions, parse_size
-from .._errors import CacheError, ConfigError
+from .._errors import AccessDenied, CacheError, ConfigError
 from .._metrics import RequestsLine
 from .._url import parse_url
 from .warm_summary import WarmSummary, human_size, print_summary, used_bytes
@@ -119,12 +119,20 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
     admitted = 0
 
     def fail(url: str, exc: BaseException) -> None:
+        if s.denied or s.interrupted:
+            # The requests in flight when the store first refused (the same cause, said once), or
+            # what Ctrl-C cut short (a write refused by a pool shutting down is not a failed object).
+            return
         s.failed += 1
         if s.first_error is None:
             s.first_error = exc
         if len(s.failures) < _SHOW_FAILURES:
-            s.failures.append((url, str(exc) or type(exc).__name__))
-        if s.fetched == 0 and s.failed >= min(ABORT_AFTER_FAILURES, len(job.todo)):
+            s.failures.append((url, _without_url(str(exc) or type(exc).__name__, url)))
+        if isinstance(exc, AccessDenied):
+            # Refused credentials will not get better: stop at the first refusal, not after 64.
+            s.denied = s.aborted = True
+            stop.set()
+        elif s.fetched == 0 and s.failed >= min(ABORT_AFTER_FAILURES, len(job.todo)):
             s.aborted = True
             stop.set()
 
@@ -237,6 +245,11 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
     for r in results:
         if isinstance(r, Exception):
             raise r  # a bug, not a fetch failure (those are counted): let it surface
+
+
+def _without_url(message: str, url: str) -> str:
+    """An error's message without its leading URL, for a line that names the URL already."""
+    return message[len(url) :].lstrip(": ") if message.startswith(url) else message
 
 
 def _refusal(cache: Any) -> str:
@@ -394,7 +407,7 @@ def warm(
         t0 = time.monotonic()
         future = submit(go())
         try:
-            _wait(future, on_interrupt=lambda: _set_soon(stop_box))
+            _wait(future, on_interrupt=lambda: _interrupt(summary, stop_box))
         except KeyboardInterrupt:
             summary.interrupted = True
             try:
@@ -411,6 +424,12 @@ def warm(
     finally:
         if cache is not None:
             cache.close()
+
+
+def _interrupt(summary: WarmSummary, box: list[asyncio.Event]) -> None:
+    """Ctrl-C: from now on nothing counts as failed, and the fetch loop is asked to stop."""
+    summary.interrupted = True
+    _set_soon(box)
 
 
 def _set_soon(box: list[asyncio.Event]) -> None:

@@ -47,6 +47,7 @@ class WarmSummary:
     cache_full: bool = False
     interrupted: bool = False
     aborted: bool = False
+    denied: bool = False  # stopped at the first access-denied answer (refused credentials)
     seconds: float = 0.0
     failures: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     first_error: BaseException | None = None
@@ -71,6 +72,14 @@ def used_bytes(info: dict[str, Any]) -> int:
 
 
 def print_summary(s: WarmSummary, *, rank: int, world_size: int, cache_dir: str, out: TextIO) -> None:
+    if s.interrupted:  # Ctrl-C: one line; what was cut short is not a failure
+        print(
+            f"interrupted {s.url}: fetched {s.fetched} objects ({human_size(s.fetched_bytes)}) in "
+            f"{s.seconds:.1f}s, {s.skipped} were cached already; run it again to fetch the rest",
+            file=out,
+            flush=True,
+        )
+        return
     head = "interrupted" if s.interrupted else ("stopped" if s.aborted else "warmed")
     shard = f"rank {rank} of {world_size}: " if world_size > 1 else ""
     lines = [

@@ -244,7 +244,7 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
 
     def __repr__(self) -> str:
         opts = f", storage_options={redact(self._storage_options)}" if self._storage_options else ""
-        cache = f", cache_dir={self.cache_dir!r}, cache_size={self.cache_size}" if self.cache_dir else ""
+        cache = f", cache={self.cache!r}" if self.cache is not None else ""  # cache_dir= is deprecated
         return (
             f"FolderDataset({self._url!r}, samples={len(self)}, classes={len(self.classes)}{opts}{cache}, "
             f"transform={self.transform!r})"

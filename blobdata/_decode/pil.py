@@ -170,9 +170,14 @@ def decode(data: bytes, url: str, loader: Callable[[Any], Any], *, path: str | N
             url=url,
         ) from exc
     except UnidentifiedImageError as exc:
+        hint = ""
+        if loader is default_loader:
+            ext = os.path.splitext(url.rsplit("/", 1)[-1])[1].lower()
+            what = f"{ext} files" if ext else "files that are not images"
+            hint = f"; the default loader decodes images: for {what} pass loader= (a function of a file)"
         raise DecodeError(
             f"cannot decode {url} ({len(data)} bytes): not an image in one of the formats "
-            f"{', '.join(IMAGE_FORMATS)}",
+            f"{', '.join(IMAGE_FORMATS)}{hint}",
             url=url,
         ) from exc
     except Exception as exc:

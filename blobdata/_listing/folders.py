@@ -119,6 +119,35 @@ async def _list(
         await lister.aclose()
 
 
+def _scheme_hint(path: str) -> str:
+    """For a missing local path below the working directory (``data/train`` as written): it may have
+    been meant as a bucket URL. Nothing for a path elsewhere (``/mnt/data``): that one was a path."""
+    rel = os.path.relpath(path)
+    if rel.startswith(".."):
+        return ""
+    return (f". A URL without a scheme is a local path: for a bucket write s3://{rel} (or gs://{rel}, "
+            f"az://{rel})")  # fmt: skip
+
+
+def _found(url: BlobURL, lister: Lister) -> str:
+    """What lies at a root without class folders: ``: found 20 images at the root, ...``."""
+    files: list[str] | None = getattr(lister, "root_files", None)
+    if url.protocol == "file":
+        try:
+            with os.scandir(url.prefix) as it:
+                files = sorted(e.name for e in it if not e.is_dir())
+        except OSError:
+            files = None
+    if not files:
+        return "."  # an empty folder: as torchvision says it
+    images = sum(1 for f in files if f.lower().endswith(IMG_EXTENSIONS))
+    shown = f"{images} image{'' if images == 1 else 's'}"
+    what = shown if images == len(files) else f"{len(files)} file{'' if len(files) == 1 else 's'} ({shown})"
+    return (f": found {what} at the root (e.g. {files[0]}) and no sub-folder. FolderDataset needs one "
+            "sub-folder per class (<root>/<class>/<file>); use blobdata.BlobDataset for folders "
+            "without class folders")  # fmt: skip
+
+
 async def list_with(
     lister: Lister, url: BlobURL, concurrency: int, progress: bool | None = False
 ) -> tuple[list[str], list[list[Entry]]]:
@@ -127,17 +156,16 @@ async def list_with(
     if not anything and url.protocol == "file" and os.path.isdir(url.prefix):
         anything = True  # an empty folder: said as torchvision says it, below
     if not anything:
-        where = (
-            "the path (no such local folder, or it is empty)"
-            if url.protocol == "file"
-            else ("the bucket and prefix")
-        )
+        if url.protocol == "file" and not os.path.exists(url.prefix):
+            raise NotFound(f"nothing found at {root}: no such local folder{_scheme_hint(url.prefix)}",
+                           url=root)  # fmt: skip
+        where = "the path (it is empty)" if url.protocol == "file" else "the bucket and prefix"
         raise NotFound(f"nothing found at {root}: check {where}; a dataset folder holds one sub-folder "
                        "per class", url=root)  # fmt: skip
     classes = sorted(set(n for n in names if n))
     if not classes:
         where = url.prefix if url.protocol == "file" else root
-        raise EmptyDatasetError(f"Couldn't find any class folder in {where}.", url=root)
+        raise EmptyDatasetError(f"Couldn't find any class folder in {where}{_found(url, lister)}", url=root)
     sem = asyncio.Semaphore(concurrency)
 
     # "" is the folder of keys such as root//x.jpg: listed only to report them as skipped.

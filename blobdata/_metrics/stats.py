@@ -391,18 +391,30 @@ class LoaderStats:
         limit = f", the node sends at most {self.rate_limit:.0f} GET/s" if self.rate_limit else ""
         return f", {self.throttled} throttled ({self.throttled_share:.0%} of GETs){limit}"
 
+    def _ahead(self) -> str:
+        """Why more objects were read than samples served: the look-ahead and the prefetch queue."""
+        reads = self.samples_from_cache + self.samples_from_bucket
+        parts = []
+        if reads > self.samples:
+            parts.append(f"{reads} objects read, {reads - self.samples} of them ahead for batches to come")
+        if self.batches > self.loop_batches > 0:
+            parts.append(f"{self.batches - self.loop_batches} batches made and waiting for the loop")
+        return f"; look-ahead: {', '.join(parts)}" if parts else ""
+
     def summary(self) -> str:
-        """One line: images/s, hit rate, bucket MB/s, p99 GET, requests in flight, throttling,
-        waits, and the verdict."""
+        """One line: samples served (to the training loop's batches) and images/s, hit rate, bucket
+        MB/s, GET latency, requests in flight, throttling, retries, skips, how long the loop waited
+        and the verdict (what limits it), then what the look-ahead read ahead of the loop: early in an
+        epoch more objects are read than samples served, the next batches arriving early."""
         kind, why = verdict(self)
         return (
-            f"{self.samples} samples in {self.elapsed_s:.1f}s ({self.samples_per_s:.0f} img/s), "
+            f"{self.samples} samples served in {self.elapsed_s:.1f}s ({self.samples_per_s:.0f} img/s), "
             f"hit rate {self.hit_rate:.0%}, bucket {self.bucket_bytes_per_s / 1e6:.1f} MB/s, "
             f"GET p50 {self.get_p50_s * 1e3:.0f} ms p99 {self.get_p99_s * 1e3:.0f} ms, "
             f"{self.concurrency_mean:.1f} in flight on average ({self.concurrency:.0f} now)"
             f"{self._throttling()}, "
             f"{self.retries} retries, {self.errors_skipped} skipped{self._dropped()}; the loop waited "
-            f"{self.loop_wait_s:.1f}s ({self.wait_fraction:.0%}): {kind}: {why}"
+            f"{self.loop_wait_s:.1f}s ({self.wait_fraction:.0%}): {kind}: {why}{self._ahead()}"
         )
 
 

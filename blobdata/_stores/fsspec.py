@@ -190,6 +190,8 @@ class AsyncFsLister:
         except FileNotFoundError:  # NotFound is one too
             return [], False
         names = [self._rel(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory"]
+        # Objects directly at the root, named when there is no class folder.
+        self.root_files = [self._rel(e["name"]) for e in entries if e.get("type") != "directory"]
         return names, bool(entries)
 
     async def below(self, folder: str) -> list[Entry]:

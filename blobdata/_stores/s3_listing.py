@@ -233,9 +233,11 @@ class S3LeanLister:
         cut = len(self.base)
         names: list[str] = []
         anything = False
+        self.root_files: list[str] = []  # objects directly at the root, named when there is no class
         async for page in self._pages(self.base, "/"):
             anything = anything or bool(page.keys or page.common_prefixes)
             names.extend(p[cut:-1] for p in page.common_prefixes)  # "prefix/cls/" -> "cls"
+            self.root_files.extend(k[cut:] for k in page.keys if k[cut:])
         return names, anything
 
     async def below(self, folder: str) -> list[Entry]:

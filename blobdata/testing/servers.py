@@ -3,8 +3,10 @@
 Used by the test suite, the benchmarks and ``blobdata demo``. Every server listens on 127.0.0.1 on
 free ports, writes its output to ``server.log`` in its own temporary directory (never to our
 stdout), is healthy when a real API call succeeds, and is stopped by PID: SIGTERM to its process
-group, SIGKILL after a deadline. On Linux a server also dies with the thread that started it
-(``PR_SET_PDEATHSIG``), so a killed test run leaves no server behind. Nothing starts on import.
+group, SIGKILL after a deadline. On Linux a server also dies with the process that started it
+(``PR_SET_PDEATHSIG``), so a killed test run leaves no server behind, whichever thread started it
+(the servers are spawned by one long-lived thread, not the caller's: the kernel ties the signal to
+the thread that forked). Nothing starts on import.
 Azurite and the GCS emulator are in :mod:`blobdata.testing.emulators`.
 
 Typical use::
@@ -16,10 +18,12 @@ Typical use::
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -82,7 +86,7 @@ def find_executable(name: str) -> str | None:
 
 
 def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when the starting thread exits (Linux)."""
+    """A ``preexec_fn`` that makes the child get SIGKILL when the forking thread exits (Linux)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -98,6 +102,42 @@ def _die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return _preexec
+
+
+class _Spawner:
+    """One daemon thread that forks every server (``subprocess.Popen``), and lives as long as the process.
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child exits, not the process: a server
+    started from a helper thread (a fixture's, a notebook's, a ``concurrent.futures`` worker's) would
+    die with that thread. Forking from this thread, which never exits, ties each server to the process.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] | None = None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(target=self._loop, args=(self._jobs,), name="blobdata-spawner",
+                                 daemon=True).start()  # fmt: skip
+            jobs = self._jobs
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        jobs.put((fn, done))
+        return done.result()
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]) -> None:
+        while True:
+            fn, done = jobs.get()
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+
+_spawner = _Spawner()
 
 
 class _ServerProcess:
@@ -117,6 +157,30 @@ class _ServerProcess:
     def pid(self) -> int | None:
         """PID of the server process (``None`` before start and after stop)."""
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is up (started, not stopped, not exited on its own)."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Block until the server process exits, or ``timeout`` seconds pass: its exit code, or None
+        while it runs. Ctrl-C interrupts the wait (KeyboardInterrupt), as in ``blobdata serve``::
+
+            with LocalS3Server() as s3:
+                ...                      # print how to reach it
+                s3.wait()                # serve until Ctrl-C; leaving the block stops the server
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (proc := self._proc) is not None:
+            left = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            try:
+                return proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                continue
+        return None
 
     def _command(self, tmpdir: Path) -> list[str]:
         raise NotImplementedError
@@ -142,8 +206,7 @@ class _ServerProcess:
         Ports are chosen free but may be taken between choice and bind by another process, so a
         server that exits during startup is retried with fresh ports, ``attempts`` times in all.
         Raises RuntimeError with the server's log tail when it cannot start. On Linux the server
-        gets SIGKILL when the calling *thread* exits (``PR_SET_PDEATHSIG``): call this from a thread
-        that outlives the server, such as the main thread.
+        gets SIGKILL when this process exits (``PR_SET_PDEATHSIG``), whichever thread called this.
         """
         if self._proc is not None:
             return
@@ -165,15 +228,18 @@ class _ServerProcess:
             self._cleanup()
             raise
         with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=self.tmpdir,
-                env=self._env(),
-                start_new_session=True,  # own process group: stop() signals all of it
-                preexec_fn=_die_with_parent(),
+            tmpdir, env = self.tmpdir, self._env()
+            self._proc = _spawner.run(
+                lambda: subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=tmpdir,
+                    env=env,
+                    start_new_session=True,  # own process group: stop() signals all of it
+                    preexec_fn=_die_with_parent(),
+                )
             )
         deadline = t0 + _START_DEADLINE_S
         while True:
@@ -328,6 +394,7 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
 
     SeaweedFS is a real object store (multipart, ranges, listing semantics close to AWS); moto is the
     pure-Python fallback. One admin identity with ``access_key``/``secret_key`` is configured.
+    ``port`` pins the S3 port (default: a free one); the server's other ports are always free ones.
     """
 
     def __init__(
@@ -336,9 +403,14 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
         *,
         access_key: str = "blobdata-test",
         secret_key: str = "blobdata-test-secret",
+        port: int | None = None,
     ) -> None:
         if backend not in ("seaweedfs", "moto"):
             raise ValueError(f"backend must be 'seaweedfs' or 'moto', got {backend!r}")
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"port must be in 1..65535 (or None for a free one), got {port}")
+        #: The S3 port asked for (None: a free one is chosen at each start).
+        self.fixed_port = port
         _ServerProcess.__init__(self)
         S3Endpoint.__init__(self, "", access_key, secret_key, "us-east-1")
         self.backend = backend
@@ -350,7 +422,7 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
 
     def _command(self, tmpdir: Path) -> list[str]:
         if self.backend == "moto":
-            self.port = find_free_port()
+            self.port = self.fixed_port or find_free_port()
             self.endpoint_url = f"http://127.0.0.1:{self.port}"
             return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         weed = find_executable("weed")
@@ -376,6 +448,10 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
         # taken. Small volumes (8 MB, grown on demand) start fast and use little disk; telemetry off
         # (never contact a non-loopback address); preStopSeconds=0 so SIGTERM stops it at once.
         p = _free_ports(8)
+        while self.fixed_port in p:  # the kernel handed out the pinned port (it is free now): again
+            p = _free_ports(8)
+        if self.fixed_port is not None:
+            p[6] = self.fixed_port
         self.port = p[6]
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         return [

@@ -634,5 +634,7 @@ def test_an_empty_local_folder_is_said_as_torchvision_says_it(tmp_path: Path) ->
         list_folder(str(tmp_path / "empty"))
     (tmp_path / "flat").mkdir()
     (tmp_path / "flat" / "a.jpg").write_bytes(b"x")
-    with pytest.raises(FileNotFoundError, match=r"^Couldn't find any class folder in /.*/flat\.$"):
+    # A flat folder: torchvision's words, then what was found and what to use (issue 30).
+    flat = r"^Couldn't find any class folder in /.*/flat: found 1 image at the root"
+    with pytest.raises(FileNotFoundError, match=flat):
         list_folder(str(tmp_path / "flat"))
