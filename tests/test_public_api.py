@@ -11,6 +11,7 @@ def test_all_is_sorted_and_exact() -> None:
     assert set(blobdata.__all__) == {
         "AccessDenied",
         "BlobCache",
+        "BlobDataset",
         "BlobLoader",
         "BlobdataError",
         "CacheError",

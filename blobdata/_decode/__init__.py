@@ -5,11 +5,23 @@ the URL.
 module             its one job
 =================  ==========================================================================
 ``pil``            the default loader (Pillow, from memory), :class:`ObjectFile` for users' loaders
+``members``        a sample's members decoded by extension (webdataset's defaults)
 =================  ==========================================================================
 """
 
 from __future__ import annotations
 
+from .members import Decoders, decode_member, decoders_for, extension
 from .pil import IMAGE_FORMATS, ObjectFile, decode, decode_with, default_loader
 
-__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader"]
+__all__ = [
+    "IMAGE_FORMATS",
+    "Decoders",
+    "ObjectFile",
+    "decode",
+    "decode_member",
+    "decode_with",
+    "decoders_for",
+    "default_loader",
+    "extension",
+]

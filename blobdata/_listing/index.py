@@ -1,0 +1,178 @@
+"""Index files instead of a listing: the objects of a dataset named by a table the user already has.
+
+A CSV, JSON Lines or Parquet file with a ``key`` column (relative to the dataset's URL, or a URL below
+it) and optional ``size`` (bytes), ``etag`` (quotes optional) and ``version_id`` columns; every other
+column is a field of the row's sample. Rows are grouped into samples by webdataset's key rule. Or an S3
+Inventory report: its ``manifest.json`` (local or a URL) and the CSV (gzipped, columns named by
+``fileSchema``, keys URL-encoded) or Parquet files it lists in its destination bucket; the rows of the
+dataset's bucket below its prefix are kept. No listing request is made either way.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import urllib.parse
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from .._errors import ConfigError
+from .._stores.base import listed_size
+from .._url import parse_url
+from .samples import Member, relative_key, split_key
+from .tables import format_of, read_bytes, rows
+
+__all__ = ["read_index"]
+
+Sample = tuple[str, list[Member], dict[str, Any]]
+_KNOWN = {"key", "size", "etag", "version_id"}
+
+
+def read_index(root: str, index: str, *, storage_options: Mapping[str, Any]) -> list[Sample]:
+    """The samples an index names (see the module docstring), sorted by key."""
+    if index.rstrip("/").endswith("manifest.json"):
+        found: Iterable[tuple[str, dict[str, Any]]] = _inventory(root, index, storage_options)
+    else:
+        data = read_bytes(index, storage_options, what="index")
+        found = rows(index, data, format_of(index), what="index")
+    return _group(root, index, found)
+
+
+def _group(root: str, index: str, found: Iterable[tuple[str, dict[str, Any]]]) -> list[Sample]:
+    groups: dict[str, tuple[list[Member], dict[str, Any], dict[str, str]]] = {}
+    seen: dict[str, str] = {}
+    for where, row in found:
+        if "key" not in row:
+            raise ConfigError(
+                f"{where} has no 'key' column: an index names each object in a key column", url=index
+            )
+        rel = relative_key(row["key"], root, where, "key")
+        if rel in seen:
+            raise ConfigError(
+                f"{where} and {seen[rel]} both name {root}/{rel}: one row per object", url=index
+            )
+        seen[rel] = where
+        size = -1
+        if row.get("size") not in (None, ""):
+            try:
+                size = listed_size(row["size"], f"{root}/{rel}")
+            except Exception:
+                raise ConfigError(
+                    f"{where}: size {row['size']!r} of {root}/{rel} is not a whole number of bytes", url=index
+                ) from None
+        etag = str(row.get("etag") or "").strip().strip('"')
+        version = str(row.get("version_id") or "").strip()
+        identity = f"{etag}@{version}" if etag and version and version != "null" else etag
+        split = split_key(rel)
+        if split is None:
+            raise ConfigError(
+                f"{where}: {rel!r} has no extension, so it belongs to no sample (a sample's key is the name "
+                "up to its first dot, and the member's name the rest)",
+                url=index,
+            )
+        key, name = split
+        members, fields, origin = groups.setdefault(key, ([], {}, {}))
+        members.append(Member(rel, size, identity, name, where))
+        for column, value in row.items():
+            if column in _KNOWN:
+                continue
+            if column in fields and fields[column] != value:
+                raise ConfigError(
+                    f"{where} gives {column}={value!r} for sample {key!r}, and {origin[column]} gave "
+                    f"{fields[column]!r}: rows of one sample must agree",
+                    url=index,
+                )
+            fields[column], origin[column] = value, where
+    if not groups:
+        raise ConfigError(f"index {index} names no object below {root}", url=index)
+    out: list[Sample] = []
+    for key in sorted(groups):
+        members, fields, _ = groups[key]
+        members.sort(key=lambda m: m.name)
+        for a, b in itertools.pairwise(members):
+            if a.name == b.name:
+                raise ConfigError(
+                    f"{a.where} and {b.where} both give member {a.name!r} of sample {key!r}", url=index
+                )
+        out.append((key, members, fields))
+    return out
+
+
+# -- S3 Inventory --------------------------------------------------------------------------------
+
+
+def _inventory(
+    root: str, source: str, storage_options: Mapping[str, Any]
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    raw = read_bytes(source, storage_options, what="S3 Inventory manifest")
+    try:
+        manifest = json.loads(raw)
+        fmt = str(manifest["fileFormat"]).lower()
+        files = [str(f["key"]) for f in manifest["files"]]
+        dest = str(manifest["destinationBucket"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"S3 Inventory manifest {source} lacks fileFormat, files or destinationBucket ({exc!r})",
+            url=source,
+        ) from None
+    if fmt not in ("csv", "parquet"):
+        raise ConfigError(
+            f"S3 Inventory {source} is {fmt}: blobdata reads CSV and Parquet reports", url=source
+        )
+    bucket = dest.rpartition(":")[2]  # arn:aws:s3:::bucket
+    url = parse_url(root)
+    want = url.prefix + "/" if url.prefix else ""
+    schema = [c.strip() for c in str(manifest.get("fileSchema", "")).split(",")]
+    for f in files:
+        location = f"s3://{bucket}/{f}"
+        data = read_bytes(location, storage_options, what="S3 Inventory file")
+        if fmt == "csv":
+            got = _inventory_csv(location, data, schema)
+        else:
+            got = (
+                (w, {_snake(k): v for k, v in r.items()})
+                for w, r in rows(location, data, "parquet", what="inventory")
+            )
+        for where, row in got:
+            key = row.get("key")
+            if row.get("bucket") != url.bucket or not isinstance(key, str) or not key.startswith(want):
+                continue
+            if key.endswith("/"):
+                continue  # a folder marker
+            yield (
+                where,
+                {
+                    "key": key[len(want) :],
+                    "size": row.get("size"),
+                    "etag": row.get("e_tag") or row.get("etag"),
+                    "version_id": row.get("version_id"),
+                },
+            )
+
+
+def _snake(name: str) -> str:
+    """``ETag`` -> ``e_tag``, ``VersionId`` -> ``version_id``, ``key`` -> ``key`` (Parquet's names)."""
+    out = "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    return out
+
+
+def _inventory_csv(location: str, data: bytes, schema: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    import csv
+    import io
+
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    names = [_snake(c) for c in schema]
+    if "key" not in names:
+        raise ConfigError(
+            f"S3 Inventory file {location}: fileSchema {schema} has no Key column", url=location
+        )
+    reader = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
+    for values in reader:
+        where = f"S3 Inventory file {location} line {reader.line_num}"
+        if len(values) != len(names):
+            raise ConfigError(f"{where} has {len(values)} values, the fileSchema {len(names)}", url=location)
+        row: dict[str, Any] = dict(zip(names, values, strict=True))
+        row["key"] = urllib.parse.unquote_plus(row["key"])  # keys in CSV reports are URL-encoded
+        yield where, row

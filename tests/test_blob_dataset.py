@@ -1,0 +1,158 @@
+"""BlobDataset over a folder: samples by webdataset's key rule, members decoded by extension, every member
+fetched together (one GET each), workers, the cache (epoch 2: no GET), exact resume, PartitionedSampler."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from blobdata import BlobCache, BlobDataset, ConfigError, DecodeError, PartitionedSampler
+
+
+def _png(i: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (4 + i % 3, 5), (i % 256, 0, 0)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _npy(a: Any) -> bytes:
+    out = io.BytesIO()
+    np.save(out, a, allow_pickle=True)
+    return out.getvalue()
+
+
+def _keep(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def _key_and_text(sample: dict[str, Any]) -> tuple[str, str, int]:
+    return sample["__key__"], sample["txt"], sample["jpg"].size[0]
+
+
+def _pairs(n: int) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    for i in range(n):
+        out[f"d/s{i:03d}.jpg"] = _png(i)
+        out[f"d/s{i:03d}.txt"] = f"caption {i}".encode()
+    return out
+
+
+def test_folder_samples_group_members_by_key(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "x.jpg").write_bytes(_png(1))
+    (root / "a" / "x.seg.png").write_bytes(_png(2))
+    (root / "a" / "x.json").write_bytes(b'{"boxes": [[1, 2, 3, 4]]}')
+    (root / "a" / "x.cls").write_bytes(b"7\n")
+    (root / "a" / "x.npy").write_bytes(_npy(np.arange(3)))
+    (root / "a" / "x.wav").write_bytes(b"RIFF....")
+    (root / "b.txt").write_bytes("héllo".encode())
+    (root / "README").write_bytes(b"no extension: no sample")
+    ds = BlobDataset(root)
+    assert len(ds) == 2 and ds.keys() == ["a/x", "b"]  # sorted by key
+    s = ds[0]
+    assert s["__key__"] == "a/x" and s["__url__"] == f"file://{root}/a/x"
+    assert set(s) == {"__key__", "__url__", "jpg", "seg.png", "json", "cls", "npy", "wav"}
+    assert isinstance(s["jpg"], Image.Image) and s["jpg"].mode == "RGB"
+    assert isinstance(s["seg.png"], Image.Image)
+    assert s["json"] == {"boxes": [[1, 2, 3, 4]]} and s["cls"] == 7 and s["wav"] == b"RIFF...."
+    assert s["npy"].tolist() == [0, 1, 2]
+    assert ds[1] == {"__key__": "b", "__url__": f"file://{root}/b", "txt": "héllo"}
+    # decoders= adds or replaces one; False leaves bytes
+    wav = BlobDataset(root, decoders={"wav": len, "json": None})[0]
+    assert wav["wav"] == 8 and wav["json"] == b'{"boxes": [[1, 2, 3, 4]]}'
+    raw = BlobDataset(root, decoders=False)[0]
+    assert all(isinstance(raw[k], bytes) for k in ("jpg", "json", "cls", "npy"))
+    with pytest.raises(ConfigError, match="without the dot"):
+        BlobDataset(root, decoders={".wav": len})
+
+
+def test_npy_is_never_unpickled_and_errors_name_the_object(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "x.npy").write_bytes(_npy(np.array([{"a": 1}], dtype=object)))
+    (tmp_path / "d" / "y.jpg").write_bytes(b"not an image")
+    ds = BlobDataset(tmp_path / "d")
+    with pytest.raises(DecodeError, match=r"x\.npy.*pickle|pickle.*x\.npy"):
+        ds[0]
+    with pytest.raises(DecodeError, match=r"y\.jpg"):
+        ds[1]
+    skipped = BlobDataset(tmp_path / "d", on_error="skip")
+    assert skipped.__getitems__([0, 1]) == [] and len(skipped.errors) == 2
+
+
+@pytest.mark.parametrize(("workers", "method"), [(0, None), (2, "fork")])
+def test_pairs_on_s3_one_get_per_member_then_all_from_the_cache(
+    s3_bucket: Any, s3_proxy: Any, tmp_path: Path, workers: int, method: str | None
+) -> None:
+    s3_bucket.put_many(_pairs(20))
+    ds = BlobDataset(
+        s3_bucket.url("d"),
+        transform=_key_and_text,
+        storage_options=s3_proxy.storage_options,
+        cache=BlobCache(str(tmp_path / "cache"), size_limit="10MB"),
+    )
+    assert len(ds) == 20
+    loader = ds.dataloader(
+        batch_size=4, shuffle=True, num_workers=workers, multiprocessing_context=method, collate_fn=_keep
+    )
+    s3_proxy.reset_counts()
+    got = [s for batch in loader for s in batch]
+    assert sorted(got) == [(f"s{i:03d}", f"caption {i}", 4 + i % 3) for i in range(20)]
+    gets = [p for m, p in s3_proxy.requests if m == "GET"]
+    assert len(gets) == 40 == loader.stats().gets  # one GET per member, nothing listed again
+    assert loader.stats().samples_from_bucket == 40  # counted per object
+    cache = BlobCache(str(tmp_path / "cache"), size_limit="10MB")
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and cache.info()["entries"] < 40:  # written off the hot path
+        time.sleep(0.05)
+    s3_proxy.reset_counts()
+    assert sorted(s for batch in loader for s in batch) == sorted(got)
+    assert [m for m, _ in s3_proxy.requests if m == "GET"] == []  # epoch 2: all from the cache
+    s = loader.stats()
+    assert s.gets == 40 and s.samples_from_cache == 40 and s.samples == 40
+
+
+def test_resume_mid_epoch_and_partitioned_sampler(tmp_path: Path) -> None:
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(24):
+        (root / f"{i:02d}.txt").write_bytes(str(i).encode())
+        (root / f"{i:02d}.cls").write_bytes(str(i % 3).encode())
+    ds = BlobDataset(root, transform=lambda s: int(s["txt"]) * 10 + s["cls"], lookahead=8)
+
+    def loader() -> Any:
+        return ds.dataloader(batch_size=4, shuffle=True, generator=_gen(1))
+
+    whole = [b.tolist() for b in loader()]
+    first = loader()
+    it = iter(first)
+    head = [next(it).tolist() for _ in range(2)]
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + [b.tolist() for b in resumed] == whole
+    part = ds.dataloader(batch_size=5, sampler=PartitionedSampler(ds, num_replicas=1, rank=0, seed=2))
+    seen = sorted(x for b in part for x in b.tolist())
+    assert seen == sorted(i * 10 + i % 3 for i in range(24))
+
+
+def _gen(seed: int) -> Any:
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def test_bad_folders(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "README").write_bytes(b"x")
+    with pytest.raises(FileNotFoundError, match="no sample"):
+        BlobDataset(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="nothing found"):
+        BlobDataset(tmp_path / "absent")
