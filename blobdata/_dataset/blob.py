@@ -29,8 +29,9 @@ from .base import BlobDatasetBase, OnError, resolve_cache
 
 __all__ = ["BlobDataset"]
 
-#: The cache entry that remembers the identity an object had at its first read, when no listing said.
-LEARNED = "blobdata:learned-identity"
+#: The cache entry ``(LEARNED + url, LEARNED)`` remembers the identity an object had at its first read, when
+#: no listing said (under a URL of its own: the cache keeps one identity per URL).
+LEARNED = "blobdata-learned-identity:"
 #: Bytes assumed for a member whose size no listing gave, for the look-ahead's byte budget.
 _UNKNOWN_SIZE = 64 * 1024
 
@@ -179,7 +180,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             self._learned[j] = got
             proc = self._process()
             if proc.writer is not None and not identity:
-                proc.writer.offer(url, LEARNED, got.encode("utf-8", "surrogatepass"))
+                proc.writer.offer(LEARNED + url, LEARNED, got.encode("utf-8", "surrogatepass"))
         return data
 
     def _remembered(self, url: str) -> str:
@@ -187,7 +188,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         cache = self._process().cache
         if cache is None:
             return ""
-        data = cache.get(url, LEARNED)
+        data = cache.get(LEARNED + url, LEARNED)
         return data.decode("utf-8", "surrogatepass") if data else ""
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:

@@ -75,7 +75,7 @@ def _group(root: str, index: str, found: Iterable[tuple[str, dict[str, Any]]]) -
         members, fields, origin = groups.setdefault(key, ([], {}, {}))
         members.append(Member(rel, size, identity, name, where))
         for column, value in row.items():
-            if column in _KNOWN:
+            if column in _KNOWN or value is None:  # an empty cell says nothing
                 continue
             if column in fields and fields[column] != value:
                 raise ConfigError(
