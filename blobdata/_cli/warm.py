@@ -202,9 +202,14 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
                 return
             admitted += size
             url, identity = m.url(i), m.identity(i)
+            learn = getattr(m, "learn", None)  # a BlobDataset's objects: what its index lacks is learned
             await budget.acquire(size)
             try:
-                data, _ = await job.engine.fetch(url, size=size, identity=identity)
+                if learn is not None and not identity:
+                    data, identity = await job.engine.fetch(url, size=m.known_size(i))
+                    learn(url, identity)
+                else:
+                    data, _ = await job.engine.fetch(url, size=size, identity=identity)
             except Exception as exc:
                 budget.release(size)
                 fail(url, exc)
@@ -434,9 +439,9 @@ def _wait(
 
 
 def warm_cache(
-    url: str,
+    url: str | Any,
     *,
-    cache: str | os.PathLike[str] | Any,
+    cache: str | os.PathLike[str] | Any = None,
     storage_options: Mapping[str, Any] | None = None,
     manifest: str | os.PathLike[str] | None = None,
     refresh: bool = False,
@@ -453,7 +458,14 @@ def warm_cache(
     folder is listed as :class:`~blobdata.FolderDataset` lists it (remembered listing, ``manifest``,
     ``refresh``, ``extensions``); ``rank``/``world_size`` warm one node's share (samples ``i`` with
     ``i % world_size == rank``). Returns a :class:`WarmSummary` (objects fetched, skipped, failed...).
+    ``blobdata.warm(ds)``: a :class:`~blobdata.BlobDataset`'s objects, see :mod:`.warm_objects`.
     """
+    if hasattr(url, "warm_objects"):
+        from .warm_objects import warm_dataset
+
+        return warm_dataset(url, cache, rank=rank, world_size=world_size, progress=progress, dry_run=dry_run)
+    if cache is None:
+        raise ConfigError("blobdata.warm(url, cache=DIR): name the cache to fill")
     from .._cache import BlobCache
     from .._listing import load_or_list
     from .._stores.options import resolve_storage_options

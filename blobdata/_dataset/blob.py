@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch.utils.data
 
 from .._cache import BlobCache
@@ -149,6 +150,16 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             for j in range(t.num_objects)
         ]
 
+    def warm_objects(self, cache_dir: str) -> WarmObjects:
+        """The objects this dataset reads, for ``blobdata.warm`` (see :mod:`blobdata._cli.warm_objects`)."""
+        return WarmObjects(self._table, cache_dir)
+
+    def object_rows(self, samples: Sequence[int]) -> np.ndarray:
+        """The object rows of the samples ``samples`` (every member of each), in order."""
+        t = self._table
+        parts = [np.arange(t.offsets[i], t.offsets[i + 1], dtype=np.int64) for i in samples]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     # -- reading -----------------------------------------------------------------------------------
     def _size_of(self, i: int) -> int:
         t = self._table
@@ -246,3 +257,49 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             "device= is not supported for a BlobDataset yet: decode on the CPU (no device=) and move the "
             "batch to the GPU in the training loop"
         )
+
+
+class WarmObjects:
+    """A dataset's objects for ``blobdata.warm``: ``root``, ``len``, ``sizes`` (unknown: 0), ``url(i)``,
+    ``identity(i)`` (unknown: the one remembered in the cache from a first read, else ""), and for what
+    is still unknown ``known_size(i)`` and ``learn(url, identity)``; :meth:`remember` writes what was
+    learned to the cache, where the dataset's reads find it."""
+
+    def __init__(self, table: SampleTable, cache_dir: str) -> None:
+        self.root = table.root
+        self._t = table
+        self.sizes = np.clip(table.sizes, 0, None)
+        self._dir = cache_dir
+        self._cache = BlobCache(cache_dir) if os.path.isdir(cache_dir) else None
+        self._learned: dict[str, str] = {}
+
+    def __len__(self) -> int:
+        return self._t.num_objects
+
+    def url(self, i: int) -> str:
+        return self._t.url(i)
+
+    def identity(self, i: int) -> str:
+        ident = self._t.identity(i)
+        if ident or self._cache is None:
+            return ident
+        data = self._cache.get(LEARNED + self._t.url(i), LEARNED)
+        return data.decode("utf-8", "surrogatepass") if data else ""
+
+    def known_size(self, i: int) -> int | None:
+        size = int(self._t.sizes[i])
+        return size if size >= 0 else None
+
+    def learn(self, url: str, identity: str) -> None:
+        if identity:
+            self._learned[url] = identity
+
+    def remember(self) -> None:
+        if self._learned:
+            cache = self._cache if self._cache is not None else BlobCache(self._dir)
+            cache.put_many(
+                [(LEARNED + u, LEARNED, i.encode("utf-8", "surrogatepass")) for u, i in self._learned.items()]
+            )
+            cache.close()
+        elif self._cache is not None:
+            self._cache.close()

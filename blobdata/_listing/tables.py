@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .._errors import BlobdataError, ConfigError, NotFound
+from .._errors import ConfigError, NotFound
 from .._url import parse_url
 
 __all__ = ["FORMATS", "format_of", "read_bytes", "rows"]
@@ -47,25 +47,28 @@ def read_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: 
             raise ConfigError(
                 f"{what} file {source} cannot be read: {exc.strerror or exc}", url=source
             ) from exc
+    from .._config import FetchOptions
+    from .._fetch import FetchEngine
     from .._loop import run
-    from .._retry import final_error
-    from .._stores.fsspec import get_fs
     from .._stores.options import resolve_storage_options
 
     url = parse_url(source)
-    fs = get_fs(url.protocol, resolve_storage_options(url.protocol, storage_options or {}))
+    # One GET through blobdata's own reader (its retry budget and error map), no HEAD before it.
+    engine = FetchEngine(
+        FetchOptions(), url.protocol, resolve_storage_options(url.protocol, storage_options or {}),
+        root=source,
+    )
 
     async def fetch() -> bytes:
-        if getattr(fs, "async_impl", False):
-            return bytes(await fs._cat_file(url.fs_path))
-        return bytes(fs.cat_file(url.fs_path))
+        try:
+            return (await engine.fetch(source))[0]
+        finally:
+            await engine.aclose()
 
     try:
         return run(fetch())
-    except BlobdataError:
-        raise
-    except Exception as exc:
-        raise final_error(exc, source, store=url.protocol, what=what) from exc
+    except NotFound as exc:
+        raise NotFound(f"{what} file {source} does not exist ({exc.message})", url=source) from exc
 
 
 def _number(text: str) -> Any:
