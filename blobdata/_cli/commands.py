@@ -19,6 +19,7 @@ from .._stores.options import redact, resolve_storage_options
 from .._url import parse_url
 from . import bench as _bench
 from .warm import has_cache, human_size, print_summary, used_bytes, warm
+from .warm_objects import dataset_for, warm_dataset
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = [
@@ -99,20 +100,7 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
 # -- warm ----------------------------------------------------------------------------------------
 
 
-def cmd_warm(args: argparse.Namespace) -> int:
-    url = str(parse_url(args.url))
-    opts = parse_storage_options(args.storage_option or [])
-    if args.concurrency < 1:
-        raise ConfigError(f"--concurrency must be a positive integer, got {args.concurrency}")
-    size = parse_size(args.cache_size, name="--cache-size")
-    parse_size(args.buffer_size, name="--buffer-size")
-    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
-        raise ConfigError(
-            f"--rank must be in 0..{args.world_size - 1} for --world-size {args.world_size}, got {args.rank}"
-        )
-    log.debug("storage options: %s", redact(opts))
-    resolved = resolve_storage_options(parse_url(url).protocol, opts)
-    t0 = time.monotonic()
+def _warm_folder(args: argparse.Namespace, url: str, resolved: dict[str, Any], size: int, t0: float) -> Any:
     manifest = _manifest_for(args, url, resolved)
     indices = _node_share(args, len(manifest))
     log.debug("listing of %s: %d objects in %.2fs", url, len(manifest), time.monotonic() - t0)
@@ -132,6 +120,35 @@ def cmd_warm(args: argparse.Namespace) -> int:
         progress=not (args.no_progress or args.quiet),
         dry_run=args.dry_run,
     )
+    return summary, evicted, indices
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    url = str(parse_url(args.url))
+    opts = parse_storage_options(args.storage_option or [])
+    if args.concurrency < 1:
+        raise ConfigError(f"--concurrency must be a positive integer, got {args.concurrency}")
+    size = parse_size(args.cache_size, name="--cache-size")
+    parse_size(args.buffer_size, name="--buffer-size")
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        raise ConfigError(
+            f"--rank must be in 0..{args.world_size - 1} for --world-size {args.world_size}, got {args.rank}"
+        )
+    log.debug("storage options: %s", redact(opts))
+    resolved = resolve_storage_options(parse_url(url).protocol, opts)
+    t0 = time.monotonic()
+    ds = dataset_for(args, url, resolved)
+    if ds is not None:  # --objects / --index / --metadata: what a BlobDataset reads, every member
+        shares = _node_share(args, len(ds))
+        indices = ds.object_rows(shares.tolist()) if shares is not None else None
+        evicted = None
+        summary = warm_dataset(
+            ds, args.cache_dir, rank=args.rank, world_size=args.world_size, indices=indices,
+            concurrency=args.concurrency, cache_size=size, cache_policy=args.cache_policy,
+            buffer_size=args.buffer_size, progress=not (args.no_progress or args.quiet), dry_run=args.dry_run,
+        )  # fmt: skip
+    else:
+        summary, evicted, indices = _warm_folder(args, url, resolved, size, t0)
     if args.dry_run:
         return EXIT_OK if summary.fits else EXIT_FAILED  # "does NOT fit" is a failure to scripts
     print_summary(

@@ -20,7 +20,7 @@ from .._url import parse_url
 from .warm import warm
 from .warm_summary import WarmSummary
 
-__all__ = ["warm_dataset"]
+__all__ = ["dataset_for", "warm_dataset"]
 
 
 def warm_dataset(
@@ -33,6 +33,9 @@ def warm_dataset(
     dry_run: bool = False,
     indices: Any = None,
     concurrency: int | None = None,
+    cache_size: int | str | None = None,
+    cache_policy: str | None = None,
+    buffer_size: int | str = "256MiB",
 ) -> WarmSummary:
     """Warm ``ds``'s objects (``indices``: object rows, e.g. a node's share) into ``cache`` (default:
     ``ds.cache``)."""
@@ -41,17 +44,35 @@ def warm_dataset(
     cache = cache if cache is not None else ds.cache
     if cache is None:
         raise ConfigError(f"blobdata.warm(ds): {ds!r} has no cache; pass cache=DIR")
+    policy: Any
     if isinstance(cache, BlobCache):
         directory, size, policy = cache.directory, cache.size_limit, cache.policy
     else:
-        directory, size, policy = os.fspath(cache), parse_size("100GB"), "admit"
+        directory = os.fspath(cache)
+        size, policy = parse_size(cache_size or "100GB", name="cache_size"), cache_policy or "admit"
+        if policy not in ("admit", "lru"):
+            raise ConfigError(f"cache_policy must be 'admit' or 'lru', got {policy!r}")
     objects = ds.warm_objects(directory)
     try:
         return warm(
             ds.url, cache_dir=directory, cache_size=size, cache_policy=policy,
             storage_options=resolve_storage_options(parse_url(ds.url).protocol, ds._storage_options),
             concurrency=concurrency or ds.fetch_options.concurrency, rank=rank, world_size=world_size,
-            manifest=objects, indices=indices, progress=progress, dry_run=dry_run,
+            manifest=objects, indices=indices, progress=progress, dry_run=dry_run, buffer_size=buffer_size,
         )  # fmt: skip
     finally:
         objects.remember()
+
+
+def dataset_for(args: Any, url: str, storage_options: dict[str, Any]) -> Any:
+    """The BlobDataset ``blobdata warm URL --objects / --index FILE / --metadata FILE`` warms, or None."""
+    if not (
+        getattr(args, "objects", False) or getattr(args, "index", None) or getattr(args, "metadata", None)
+    ):
+        return None
+    from .._dataset import BlobDataset
+
+    return BlobDataset(
+        url, index=args.index, metadata=args.metadata, storage_options=storage_options, refresh=args.refresh,
+        manifest=args.manifest, share_listing=False,
+    )  # fmt: skip
