@@ -41,9 +41,9 @@ def build_table(
 
     objects: dict[str, tuple[int, str]] | None = None
     if index is not None:
-        rows = read_index(root, index, storage_options=storage_options)
+        rows, where = read_index(root, index, storage_options=storage_options)
         if metadata is None:
-            return _table(root, rows, f"index {index}")
+            return _table(root, rows, f"index {index}", where)
         objects = {m.relkey: (m.size, m.identity) for _, ms, _ in rows for m in ms}
         listing: Manifest | None = None
     else:
@@ -66,13 +66,13 @@ def build_table(
             if left:
                 logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
                             len(left), root, ", ".join(left[:3]))  # fmt: skip
-            return _table(root, grouped, root)
+            return _table(root, grouped, root, "")
         objects = {rk: (int(listing.sizes[j]), listing.identity(j)) for j, rk in enumerate(relkeys)}
-    samples = samples_from_metadata(root, metadata, objects, storage_options=storage_options)
-    return _table(root, samples, f"metadata {metadata}")
+    samples, where = samples_from_metadata(root, metadata, objects, storage_options=storage_options)
+    return _table(root, samples, f"metadata {metadata}", where)
 
 
-def _table(root: str, samples: Any, source: str) -> SampleTable:
+def _table(root: str, samples: Any, source: str, where: str) -> SampleTable:
     if not samples:
         raise EmptyDatasetError(f"no sample in {source}: no object with an extension below {root}", url=root)
-    return SampleTable(root, samples)
+    return SampleTable(root, samples, where=where)

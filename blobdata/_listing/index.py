@@ -21,42 +21,44 @@ from .._errors import ConfigError
 from .._stores.base import listed_size
 from .._url import parse_url
 from .samples import Member, relative_key, split_key
-from .tables import format_of, read_bytes, rows
+from .tables import format_of, place, read_bytes, rows
 
 __all__ = ["read_index"]
 
 Sample = tuple[str, list[Member], dict[str, Any]]
-_KNOWN = {"key", "size", "etag", "version_id"}
+_KNOWN = frozenset({"key", "size", "etag", "version_id"})
 
 
-def read_index(root: str, index: str, *, storage_options: Mapping[str, Any]) -> list[Sample]:
-    """The samples an index names (see the module docstring), sorted by key."""
+def read_index(root: str, index: str, *, storage_options: Mapping[str, Any]) -> tuple[list[Sample], str]:
+    """The samples an index names (see the module docstring), sorted by key, and the template that names
+    a member's row (``"index x.csv line {}"``)."""
     if index.rstrip("/").endswith("manifest.json"):
-        found: Iterable[tuple[str, dict[str, Any]]] = _inventory(root, index, storage_options)
+        found: Iterable[tuple[int, dict[str, Any]]] = _inventory(root, index, storage_options)
+        tmpl = f"S3 Inventory {index} row {{}}"
     else:
         data = read_bytes(index, storage_options, what="index")
-        found = rows(index, data, format_of(index), what="index")
-    return _group(root, index, found)
+        fmt = format_of(index)
+        found = rows(index, data, fmt, what="index", keep=_KNOWN)
+        tmpl = place(index, fmt, "index")
+    return _group(root, index, found, tmpl), tmpl
 
 
-def _group(root: str, index: str, found: Iterable[tuple[str, dict[str, Any]]]) -> list[Sample]:
-    groups: dict[str, tuple[list[Member], dict[str, Any], dict[str, str]]] = {}
-    seen: dict[str, str] = {}
-    for where, row in found:
+def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], tmpl: str) -> list[Sample]:
+    groups: dict[str, tuple[list[Member], dict[str, Any], dict[str, int]]] = {}
+    for n, row in found:
+        where = _Where(tmpl, n)
         if "key" not in row:
             raise ConfigError(
                 f"{where} has no 'key' column: an index names each object in a key column", url=index
             )
         rel = relative_key(row["key"], root, where, "key")
-        if rel in seen:
-            raise ConfigError(
-                f"{where} and {seen[rel]} both name {root}/{rel}: one row per object", url=index
-            )
-        seen[rel] = where
         size = -1
-        if row.get("size") not in (None, ""):
+        given = row.get("size")
+        if isinstance(given, str) and given.isdigit() and len(given) < 16:
+            size = int(given)
+        elif given not in (None, ""):
             try:
-                size = listed_size(row["size"], f"{root}/{rel}")
+                size = listed_size(given, f"{root}/{rel}")
             except Exception:
                 raise ConfigError(
                     f"{where}: size {row['size']!r} of {root}/{rel} is not a whole number of bytes", url=index
@@ -72,28 +74,41 @@ def _group(root: str, index: str, found: Iterable[tuple[str, dict[str, Any]]]) -
                 url=index,
             )
         key, name = split
-        members, fields, origin = groups.setdefault(key, ([], {}, {}))
-        members.append(Member(rel, size, identity, name, where))
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = ([], {}, {})
+        members, fields, origin = group
+        members.append(Member(rel, size, identity, name, n))
+        if all(c in _KNOWN for c in row):
+            continue
         for column, value in row.items():
             if column in _KNOWN or value is None:  # an empty cell says nothing
                 continue
             if column in fields and fields[column] != value:
                 raise ConfigError(
-                    f"{where} gives {column}={value!r} for sample {key!r}, and {origin[column]} gave "
-                    f"{fields[column]!r}: rows of one sample must agree",
+                    f"{where} gives {column}={value!r} for sample {key!r}, and "
+                    f"{tmpl.format(origin[column])} gave {fields[column]!r}: rows of one sample must agree",
                     url=index,
                 )
-            fields[column], origin[column] = value, where
+            fields[column], origin[column] = value, n
     if not groups:
         raise ConfigError(f"index {index} names no object below {root}", url=index)
     out: list[Sample] = []
     for key in sorted(groups):
         members, fields, _ = groups[key]
-        members.sort(key=lambda m: m.name)
+        if len(members) > 1:
+            members.sort(key=lambda m: m.name)
         for a, b in itertools.pairwise(members):
             if a.name == b.name:
+                what = (
+                    f"name {root}/{a.relkey}"
+                    if a.relkey == b.relkey
+                    else f"give member {a.name!r} of {key!r}"
+                )
+                first, second = sorted((a.where, b.where))
                 raise ConfigError(
-                    f"{a.where} and {b.where} both give member {a.name!r} of sample {key!r}", url=index
+                    f"{tmpl.format(first)} and {tmpl.format(second)} both {what}: one row per object",
+                    url=index,
                 )
         out.append((key, members, fields))
     return out
@@ -102,10 +117,25 @@ def _group(root: str, index: str, found: Iterable[tuple[str, dict[str, Any]]]) -
 # -- S3 Inventory --------------------------------------------------------------------------------
 
 
+class _Where:
+    """A row's place, formatted only when an error names it."""
+
+    __slots__ = ("n", "tmpl")
+
+    def __init__(self, tmpl: str, n: int) -> None:
+        self.tmpl, self.n = tmpl, n
+
+    def __str__(self) -> str:
+        return self.tmpl.format(self.n)
+
+    __format__ = lambda self, spec: str(self)  # noqa: E731
+
+
 def _inventory(
     root: str, source: str, storage_options: Mapping[str, Any]
-) -> Iterator[tuple[str, dict[str, Any]]]:
+) -> Iterator[tuple[int, dict[str, Any]]]:
     raw = read_bytes(source, storage_options, what="S3 Inventory manifest")
+    count = 0
     try:
         manifest = json.loads(raw)
         fmt = str(manifest["fileFormat"]).lower()
@@ -131,17 +161,18 @@ def _inventory(
             got = _inventory_csv(location, data, schema)
         else:
             got = (
-                (w, {_snake(k): v for k, v in r.items()})
-                for w, r in rows(location, data, "parquet", what="inventory")
+                {_snake(k): v for k, v in r.items()}
+                for _, r in rows(location, data, "parquet", what="inventory")
             )
-        for where, row in got:
+        for row in got:
             key = row.get("key")
             if row.get("bucket") != url.bucket or not isinstance(key, str) or not key.startswith(want):
                 continue
             if key.endswith("/"):
                 continue  # a folder marker
+            count += 1
             yield (
-                where,
+                count,
                 {
                     "key": key[len(want) :],
                     "size": row.get("size"),
@@ -157,7 +188,7 @@ def _snake(name: str) -> str:
     return out
 
 
-def _inventory_csv(location: str, data: bytes, schema: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+def _inventory_csv(location: str, data: bytes, schema: list[str]) -> Iterator[dict[str, Any]]:
     import csv
     import io
 
@@ -175,4 +206,4 @@ def _inventory_csv(location: str, data: bytes, schema: list[str]) -> Iterator[tu
             raise ConfigError(f"{where} has {len(values)} values, the fileSchema {len(names)}", url=location)
         row: dict[str, Any] = dict(zip(names, values, strict=True))
         row["key"] = urllib.parse.unquote_plus(row["key"])  # keys in CSV reports are URL-encoded
-        yield where, row
+        yield row

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._errors import ConfigError, NotFound
 from .samples import Member, relative_key, split_key
-from .tables import format_of, read_bytes, resolve, rows
+from .tables import format_of, place, read_bytes, resolve, rows
 
 __all__ = ["find_metadata", "samples_from_metadata"]
 
@@ -51,13 +51,17 @@ def samples_from_metadata(
     objects: Mapping[str, tuple[int, str]],
     *,
     storage_options: Mapping[str, Any],
-) -> list[Sample]:
-    """The samples the metadata file ``metadata`` (relative to ``root``, a path or a URL) describes;
-    ``objects``: what exists below ``root`` (key -> (size, identity)), from a listing or an index."""
+) -> tuple[list[Sample], str]:
+    """The samples the metadata file ``metadata`` (relative to ``root``, a path or a URL) describes, and
+    the template naming their rows; ``objects``: what exists below ``root`` (key -> (size, identity)),
+    from a listing or an index."""
     source = resolve(metadata, root)
     data = read_bytes(source, storage_options, what="metadata")
+    fmt = format_of(source)
+    tmpl = place(source, fmt, "metadata")
     out: dict[str, tuple[str, Sample]] = {}
-    for where, row in rows(source, data, format_of(source), what="metadata"):
+    for n, row in rows(source, data, fmt, what="metadata"):
+        where = tmpl.format(n)
         members: list[Member] = []
         fields: dict[str, Any] = {}
         key: str | None = None
@@ -71,12 +75,12 @@ def samples_from_metadata(
                     key, name = split if split is not None else (rel, "file")
                 else:
                     name = column[: -len("_file_name")]
-                members.append(_member(root, rel, name, where, objects))
+                members.append(_member(root, rel, name, where, n, objects))
             elif column == "file_names" or column.endswith("_file_names"):
                 name = "files" if column == "file_names" else column[: -len("_file_names")]
                 for v in _list(value, where, column) if value is not None else []:
                     members.append(
-                        _member(root, relative_key(v, root, where, column), name + "[]", where, objects)
+                        _member(root, relative_key(v, root, where, column), name + "[]", where, n, objects)
                     )
             else:
                 fields[column] = value
@@ -92,10 +96,12 @@ def samples_from_metadata(
         out[key] = (where, (key, members, fields))
     if not out:
         raise ConfigError(f"metadata {source} has no row", url=source)
-    return [out[k][1] for k in sorted(out)]
+    return [out[k][1] for k in sorted(out)], tmpl
 
 
-def _member(root: str, rel: str, name: str, where: str, objects: Mapping[str, tuple[int, str]]) -> Member:
+def _member(
+    root: str, rel: str, name: str, where: str, n: int, objects: Mapping[str, tuple[int, str]]
+) -> Member:
     found = objects.get(rel)
     if found is None:
         raise NotFound(
@@ -103,4 +109,4 @@ def _member(root: str, rel: str, name: str, where: str, objects: Mapping[str, tu
             "or upload the object",
             url=f"{root}/{rel}",
         )
-    return Member(rel, found[0], found[1], name, where)
+    return Member(rel, found[0], found[1], name, n)

@@ -42,14 +42,14 @@ def split_key(relkey: str) -> tuple[str, str] | None:
 
 class Member(NamedTuple):
     """One object of a sample: its key relative to the root, size (-1: unknown), identity ("": unknown),
-    the member's name (a name ending in ``[]`` collects its objects into a list), and where it was named
-    (``"index.csv line 3"``) for error messages ("" for a listing)."""
+    the member's name (a name ending in ``[]`` collects its objects into a list), and the line (or row) of
+    the metadata or index file that named it, for error messages (0 for a listing)."""
 
     relkey: str
     size: int
     identity: str
     name: str
-    where: str = ""
+    where: int = 0
 
 
 def _strings(buf: npt.NDArray[np.uint8], offs: npt.NDArray[np.int64], i: int) -> str:
@@ -71,21 +71,28 @@ class SampleTable:
         "_rel",
         "_rel_off",
         "_where",
+        "_where_fmt",
         "offsets",
         "root",
         "sizes",
     )
 
     def __init__(
-        self, root: str, samples: Sequence[tuple[str, Sequence[Member], Mapping[str, Any] | None]]
+        self,
+        root: str,
+        samples: Sequence[tuple[str, Sequence[Member], Mapping[str, Any] | None]],
+        *,
+        where: str = "",
     ) -> None:
-        """``samples``: ``(key, members, fields)`` in the order to keep (callers sort by key)."""
+        """``samples``: ``(key, members, fields)`` in the order to keep (callers sort by key); ``where``
+        names a member's line in the file that named it (``"index x.csv line {}"``)."""
         self.root = root
         members = [m for _, ms, _ in samples for m in ms]
         self._rel, self._rel_off = _join([m.relkey for m in members])
         self._ids, self._ids_off = _join([m.identity for m in members])
         self._names, self._names_off = _join([m.name for m in members])
-        self._where = [m.where for m in members] if any(m.where for m in members) else None
+        self._where = np.asarray([m.where for m in members], dtype=np.int64) if where else None
+        self._where_fmt = where
         self.sizes = np.asarray([m.size for m in members], dtype=np.int64)
         counts = np.fromiter((len(ms) for _, ms, _ in samples), dtype=np.int64, count=len(samples))
         self.offsets = np.zeros(len(samples) + 1, dtype=np.int64)
@@ -126,7 +133,7 @@ class SampleTable:
 
     def where(self, j: int) -> str:
         """Where object row ``j`` was named (a metadata or index file and line), or ""."""
-        return self._where[j] if self._where is not None else ""
+        return self._where_fmt.format(int(self._where[j])) if self._where is not None else ""
 
     def fields(self, i: int) -> dict[str, Any]:
         text = _strings(self._fields, self._fields_off, i)
@@ -168,12 +175,24 @@ def group_listing(
     return out, left
 
 
-def relative_key(value: Any, root: str, where: str, column: str) -> str:
+def relative_key(value: Any, root: str, where: object, column: str) -> str:
     """An object named by a metadata or index row, as a key relative to ``root``: a relative path, or a
     URL below ``root``; anything outside ``root`` (``..``, an absolute path, another URL) is refused."""
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{where}: column {column!r} must name an object, got {value!r}", url=root)
     text = value
+    if (  # the common case, without splitting
+        "://" not in text
+        and ".." not in text
+        and "//" not in text
+        and "/./" not in text
+        and "\x00" not in text
+        and "\\" not in text
+        and not text.startswith(("/", "./"))
+        and not text.endswith(("/", "/."))
+        and text != "."
+    ):
+        return text
     if "://" in text:
         if not text.startswith(root + "/"):
             raise ConfigError(

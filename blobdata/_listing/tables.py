@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from .._errors import ConfigError, NotFound
 from .._url import parse_url
 
-__all__ = ["FORMATS", "format_of", "read_bytes", "rows"]
+__all__ = ["FORMATS", "format_of", "place", "read_bytes", "resolve", "rows"]
 
 FORMATS = ("csv", "jsonl", "parquet")
 
@@ -55,7 +56,9 @@ def read_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: 
     url = parse_url(source)
     # One GET through blobdata's own reader (its retry budget and error map), no HEAD before it.
     engine = FetchEngine(
-        FetchOptions(), url.protocol, resolve_storage_options(url.protocol, storage_options or {}),
+        FetchOptions(),
+        url.protocol,
+        resolve_storage_options(url.protocol, storage_options or {}),
         root=source,
     )
 
@@ -71,22 +74,27 @@ def read_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: 
         raise NotFound(f"{what} file {source} does not exist ({exc.message})", url=source) from exc
 
 
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
 def _number(text: str) -> Any:
     if text == "":
         return None
-    t = text.strip()
-    try:
-        return int(t)
-    except ValueError:
-        pass
-    try:
-        return float(t) if any(c.isdigit() for c in t) else text
-    except ValueError:
+    if _NUMBER.fullmatch(text) is None:
         return text
+    return int(text) if text.lstrip("+-").isdigit() else float(text)
 
 
-def rows(source: str, data: bytes, fmt: str, *, what: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(where, row)`` for every row of ``data`` (the bytes of ``source``)."""
+def place(source: str, fmt: str, what: str) -> str:
+    """Where a row of ``source`` is, as a template of its number: ``"index x.csv line {}"``."""
+    return f"{what} {source} {'row' if fmt == 'parquet' else 'line'} {{}}"
+
+
+def rows(
+    source: str, data: bytes, fmt: str, *, what: str, keep: frozenset[str] = frozenset()
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(n, row)`` for every row of ``data`` (the bytes of ``source``), ``n`` its line (its row number
+    in Parquet; :func:`place` names it); CSV columns in ``keep`` stay text (no number read from them)."""
     name = f"{what} {source}"
     if fmt == "jsonl":
         for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
@@ -102,7 +110,7 @@ def rows(source: str, data: bytes, fmt: str, *, what: str) -> Iterator[tuple[str
                 raise ConfigError(
                     f"{name} line {n} is not a JSON object but {type(row).__name__}", url=source
                 )
-            yield f"{name} line {n}", row
+            yield n, row
     elif fmt == "csv":
         try:
             text = data.decode("utf-8-sig")
@@ -116,16 +124,18 @@ def rows(source: str, data: bytes, fmt: str, *, what: str) -> Iterator[tuple[str
         for values in reader:
             if not values or values == [""]:
                 continue
-            where = f"{name} line {reader.line_num}"
             if len(values) != len(header):
                 raise ConfigError(
-                    f"{where} has {len(values)} values where the header names {len(header)} columns",
+                    f"{name} line {reader.line_num} has {len(values)} values where the header names "
+                    f"{len(header)} columns",
                     url=source,
                 )
-            yield where, {h: _number(v) for h, v in zip(header, values, strict=True)}
+            yield (
+                reader.line_num,
+                {h: v if h in keep else _number(v) for h, v in zip(header, values, strict=True)},
+            )
     elif fmt == "parquet":
-        for n, row in enumerate(_parquet(source, data, what), 1):
-            yield f"{name} row {n}", row
+        yield from enumerate(_parquet(source, data, what), 1)
     else:
         raise ConfigError(f"unknown table format {fmt!r} for {source}", url=source)
 
