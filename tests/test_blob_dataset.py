@@ -119,16 +119,21 @@ def test_pairs_on_s3_one_get_per_member_then_all_from_the_cache(
     assert s.gets == 40 and s.samples_from_cache == 40 and s.samples == 40
 
 
-def test_resume_mid_epoch_and_partitioned_sampler(tmp_path: Path) -> None:
+def _ten_plus_cls(s: dict[str, Any]) -> int:
+    return int(s["txt"]) * 10 + s["cls"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_and_partitioned_sampler(tmp_path: Path, workers: int) -> None:
     root = tmp_path / "d"
     root.mkdir()
     for i in range(24):
         (root / f"{i:02d}.txt").write_bytes(str(i).encode())
         (root / f"{i:02d}.cls").write_bytes(str(i % 3).encode())
-    ds = BlobDataset(root, transform=lambda s: int(s["txt"]) * 10 + s["cls"], lookahead=8)
+    ds = BlobDataset(root, transform=_ten_plus_cls, lookahead=8)
 
     def loader() -> Any:
-        return ds.dataloader(batch_size=4, shuffle=True, generator=_gen(1))
+        return ds.dataloader(batch_size=4, shuffle=True, generator=_gen(1), num_workers=workers)
 
     whole = [b.tolist() for b in loader()]
     first = loader()
@@ -156,3 +161,14 @@ def test_bad_folders(tmp_path: Path) -> None:
         BlobDataset(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="nothing found"):
         BlobDataset(tmp_path / "absent")
+
+
+def test_the_listing_is_remembered(s3_bucket: Any, s3_proxy: Any) -> None:
+    s3_bucket.put_many(_pairs(3))
+    first = BlobDataset(s3_bucket.url("d"), storage_options=s3_proxy.storage_options)
+    assert any("?" in p for _, p in s3_proxy.requests)  # listed once
+    s3_proxy.reset_counts()
+    again = BlobDataset(s3_bucket.url("d"), storage_options=s3_proxy.storage_options)
+    assert s3_proxy.requests == [] and again.keys() == first.keys() == ["s000", "s001", "s002"]
+    BlobDataset(s3_bucket.url("d"), storage_options=s3_proxy.storage_options, refresh=True)
+    assert any("?" in p for _, p in s3_proxy.requests)

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, TextIO
 
 import numpy as np
@@ -32,7 +32,7 @@ from .._metrics import RequestsLine
 from .._url import parse_url
 from .warm_summary import WarmSummary, human_size, print_summary, used_bytes
 
-__all__ = ["WarmSummary", "human_size", "open_cache", "print_summary", "used_bytes", "warm", "warm_cache"]
+__all__ = ["WarmSummary", "human_size", "open_cache", "print_summary", "used_bytes", "warm"]
 
 log = logging.getLogger("blobdata")
 
@@ -436,53 +436,3 @@ def _wait(
             if on_interrupt is not None:
                 on_interrupt()
             raise
-
-
-def warm_cache(
-    url: str | Any,
-    *,
-    cache: str | os.PathLike[str] | Any = None,
-    storage_options: Mapping[str, Any] | None = None,
-    manifest: str | os.PathLike[str] | None = None,
-    refresh: bool = False,
-    extensions: tuple[str, ...] | None = None,
-    fetch_options: FetchOptions | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-    progress: bool = False,
-    dry_run: bool = False,
-) -> WarmSummary:
-    """Fill a cache with a folder's objects from Python, as ``blobdata warm`` does (``blobdata.warm``).
-
-    ``cache`` is a directory or a :class:`~blobdata.BlobCache` (its size limit and policy apply). The
-    folder is listed as :class:`~blobdata.FolderDataset` lists it (remembered listing, ``manifest``,
-    ``refresh``, ``extensions``); ``rank``/``world_size`` warm one node's share (samples ``i`` with
-    ``i % world_size == rank``). Returns a :class:`WarmSummary` (objects fetched, skipped, failed...).
-    ``blobdata.warm(ds)``: a :class:`~blobdata.BlobDataset`'s objects, see :mod:`.warm_objects`.
-    """
-    if hasattr(url, "warm_objects"):
-        from .warm_objects import warm_dataset
-
-        return warm_dataset(url, cache, rank=rank, world_size=world_size, progress=progress, dry_run=dry_run)
-    if cache is None:
-        raise ConfigError("blobdata.warm(url, cache=DIR): name the cache to fill")
-    from .._cache import BlobCache
-    from .._listing import load_or_list
-    from .._stores.options import resolve_storage_options
-
-    parsed = parse_url(url)
-    opts = resolve_storage_options(parsed.protocol, storage_options)
-    options = fetch_options if fetch_options is not None else FetchOptions()
-    m = load_or_list(
-        str(parsed), storage_options=opts, manifest=manifest, refresh=refresh, extensions=extensions,
-        fetch_options=options, progress=progress,
-    )  # fmt: skip
-    if isinstance(cache, BlobCache):
-        directory, size, policy = cache.directory, cache.size_limit, cache.policy
-    else:
-        directory, size, policy = os.fspath(cache), parse_size("100GB"), "admit"
-    return warm(
-        str(parsed), cache_dir=directory, cache_size=size, cache_policy=policy, storage_options=opts,
-        concurrency=options.concurrency, rank=rank, world_size=world_size, manifest=m, progress=progress,
-        dry_run=dry_run,
-    )  # fmt: skip

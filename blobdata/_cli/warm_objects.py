@@ -1,4 +1,6 @@
-"""``blobdata.warm(ds)`` for a :class:`~blobdata.BlobDataset`: exactly the objects it reads, every member
+"""``blobdata.warm``: :func:`warm_cache`, a folder's listing or a dataset's objects into a cache.
+
+For a :class:`~blobdata.BlobDataset` (``blobdata.warm(ds)``): exactly the objects it reads, every member
 of every sample, into its cache (or the one given), as ``blobdata warm URL --index FILE`` does.
 
 The dataset's :meth:`~blobdata.BlobDataset.warm_objects` gives them as :func:`~blobdata._cli.warm.warm`
@@ -11,16 +13,17 @@ Shards (``rank``/``world_size``) are over objects: ``i % world_size == rank``.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
-from .._config import parse_size
+from .._config import FetchOptions, parse_size
 from .._errors import ConfigError
 from .._stores.options import resolve_storage_options
 from .._url import parse_url
 from .warm import warm
 from .warm_summary import WarmSummary
 
-__all__ = ["dataset_for", "warm_dataset"]
+__all__ = ["dataset_for", "warm_cache", "warm_dataset"]
 
 
 def warm_dataset(
@@ -75,4 +78,52 @@ def dataset_for(args: Any, url: str, storage_options: dict[str, Any]) -> Any:
     return BlobDataset(
         url, index=args.index, metadata=args.metadata, storage_options=storage_options, refresh=args.refresh,
         manifest=args.manifest, share_listing=False,
+    )  # fmt: skip
+
+
+def warm_cache(
+    url: str | Any,
+    *,
+    cache: str | os.PathLike[str] | Any = None,
+    storage_options: Mapping[str, Any] | None = None,
+    manifest: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
+    extensions: tuple[str, ...] | None = None,
+    fetch_options: FetchOptions | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    progress: bool = False,
+    dry_run: bool = False,
+) -> WarmSummary:
+    """Fill a cache with a folder's objects from Python, as ``blobdata warm`` does (``blobdata.warm``).
+
+    ``cache`` is a directory or a :class:`~blobdata.BlobCache` (its size limit and policy apply). The
+    folder is listed as :class:`~blobdata.FolderDataset` lists it (remembered listing, ``manifest``,
+    ``refresh``, ``extensions``); ``rank``/``world_size`` warm one node's share (samples ``i`` with
+    ``i % world_size == rank``). Returns a :class:`WarmSummary` (objects fetched, skipped, failed...).
+    ``blobdata.warm(ds)``: a :class:`~blobdata.BlobDataset`'s objects, see :mod:`.warm_objects`.
+    """
+    if hasattr(url, "warm_objects"):
+        return warm_dataset(url, cache, rank=rank, world_size=world_size, progress=progress, dry_run=dry_run)
+    if cache is None:
+        raise ConfigError("blobdata.warm(url, cache=DIR): name the cache to fill")
+    from .._cache import BlobCache
+    from .._listing import load_or_list
+    from .._stores.options import resolve_storage_options
+
+    parsed = parse_url(url)
+    opts = resolve_storage_options(parsed.protocol, storage_options)
+    options = fetch_options if fetch_options is not None else FetchOptions()
+    m = load_or_list(
+        str(parsed), storage_options=opts, manifest=manifest, refresh=refresh, extensions=extensions,
+        fetch_options=options, progress=progress,
+    )  # fmt: skip
+    if isinstance(cache, BlobCache):
+        directory, size, policy = cache.directory, cache.size_limit, cache.policy
+    else:
+        directory, size, policy = os.fspath(cache), parse_size("100GB"), "admit"
+    return warm(
+        str(parsed), cache_dir=directory, cache_size=size, cache_policy=policy, storage_options=opts,
+        concurrency=options.concurrency, rank=rank, world_size=world_size, manifest=m, progress=progress,
+        dry_run=dry_run,
     )  # fmt: skip
