@@ -3,9 +3,11 @@ rule, a metadata file's rows, or an index's rows (no listing at all)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._config import FetchOptions
@@ -23,6 +25,19 @@ logger = logging.getLogger(__name__)
 METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 
 
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Millions of rows make millions of small containers, none in a cycle: the cyclic collector, which
+    would scan them all again and again as they pile up, is paused meanwhile (1M rows: 14 s -> 8 s)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def build_table(
     root: str,
     *,
@@ -36,6 +51,23 @@ def build_table(
     share: bool,
 ) -> SampleTable:
     """The samples of the dataset at ``root`` (see :class:`~blobdata.BlobDataset`)."""
+    with _no_cycle_collection():
+        return _build(
+            root, storage_options, metadata, index, manifest, refresh, max_age, fetch_options, share
+        )
+
+
+def _build(
+    root: str,
+    storage_options: Mapping[str, Any],
+    metadata: str | None,
+    index: str | None,
+    manifest: str | None,
+    refresh: bool,
+    max_age: float | str | None,
+    fetch_options: FetchOptions,
+    share: bool,
+) -> SampleTable:
     from .index import read_index
     from .metadata import find_metadata, samples_from_metadata
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import json
+import re
 import urllib.parse
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -27,6 +28,9 @@ __all__ = ["read_index"]
 
 Sample = tuple[str, list[Member], dict[str, Any]]
 _KNOWN = frozenset({"key", "size", "etag", "version_id"})
+# What may make a key not a plain relative one (a URL, '..', '//', '/./', a leading '/' or '.', a trailing
+# '/' or '/.', NUL, a backslash): such keys take relative_key's full check.
+_SUSPECT = re.compile(r"://|\.\.|//|/\./|[\x00\\]|^[/.]|/\.?$")
 
 
 def read_index(root: str, index: str, *, storage_options: Mapping[str, Any]) -> tuple[list[Sample], str]:
@@ -46,12 +50,16 @@ def read_index(root: str, index: str, *, storage_options: Mapping[str, Any]) -> 
 def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], tmpl: str) -> list[Sample]:
     groups: dict[str, tuple[list[Member], dict[str, Any], dict[str, int]]] = {}
     for n, row in found:
-        where = _Where(tmpl, n)
-        if "key" not in row:
+        value = row.get("key")
+        if isinstance(value, str) and value and _SUSPECT.search(value) is None:
+            rel = value  # a plain relative key (the common case, checked with one search)
+        elif "key" not in row:
             raise ConfigError(
-                f"{where} has no 'key' column: an index names each object in a key column", url=index
+                f"{_Where(tmpl, n)} has no 'key' column: an index names each object in a key column",
+                url=index,
             )
-        rel = relative_key(row["key"], root, where, "key")
+        else:
+            rel = relative_key(value, root, _Where(tmpl, n), "key")
         size = -1
         given = row.get("size")
         if isinstance(given, str) and given.isdigit() and len(given) < 16:
@@ -61,16 +69,19 @@ def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], t
                 size = listed_size(given, f"{root}/{rel}")
             except Exception:
                 raise ConfigError(
-                    f"{where}: size {row['size']!r} of {root}/{rel} is not a whole number of bytes", url=index
+                    f"{_Where(tmpl, n)}: size {row['size']!r} of {root}/{rel} is not a whole number of bytes",
+                    url=index,
                 ) from None
-        etag = str(row.get("etag") or "").strip().strip('"')
-        version = str(row.get("version_id") or "").strip()
-        identity = f"{etag}@{version}" if etag and version and version != "null" else etag
+        etag = row.get("etag")
+        identity = str(etag).strip().strip('"') if etag else ""
+        version = row.get("version_id")
+        if version and identity and str(version).strip() not in ("", "null"):
+            identity = f"{identity}@{str(version).strip()}"
         split = split_key(rel)
         if split is None:
             raise ConfigError(
-                f"{where}: {rel!r} has no extension, so it belongs to no sample (a sample's key is the name "
-                "up to its first dot, and the member's name the rest)",
+                f"{_Where(tmpl, n)}: {rel!r} has no extension, so it belongs to no sample (a sample's key is "
+                "the name up to its first dot, and the member's name the rest)",
                 url=index,
             )
         key, name = split
@@ -79,14 +90,14 @@ def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], t
             group = groups[key] = ([], {}, {})
         members, fields, origin = group
         members.append(Member(rel, size, identity, name, n))
-        if all(c in _KNOWN for c in row):
+        if row.keys() <= _KNOWN:
             continue
         for column, value in row.items():
             if column in _KNOWN or value is None:  # an empty cell says nothing
                 continue
             if column in fields and fields[column] != value:
                 raise ConfigError(
-                    f"{where} gives {column}={value!r} for sample {key!r}, and "
+                    f"{_Where(tmpl, n)} gives {column}={value!r} for sample {key!r}, and "
                     f"{tmpl.format(origin[column])} gave {fields[column]!r}: rows of one sample must agree",
                     url=index,
                 )
