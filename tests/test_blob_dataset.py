@@ -172,3 +172,15 @@ def test_the_listing_is_remembered(s3_bucket: Any, s3_proxy: Any) -> None:
     assert s3_proxy.requests == [] and again.keys() == first.keys() == ["s000", "s001", "s002"]
     BlobDataset(s3_bucket.url("d"), storage_options=s3_proxy.storage_options, refresh=True)
     assert any("?" in p for _, p in s3_proxy.requests)
+
+
+def test_a_saved_listing_is_used_instead_of_listing(s3_bucket: Any, s3_proxy: Any, tmp_path: Path) -> None:
+    s3_bucket.put_many(_pairs(2))
+    first = BlobDataset(s3_bucket.url("d"), storage_options=s3_proxy.storage_options, share_listing=False)
+    assert first.manifest is not None and len(first.manifest) == 4
+    first.manifest.save(tmp_path / "listing.manifest")
+    s3_proxy.reset_counts()
+    other = BlobDataset(
+        s3_bucket.url("d"), manifest=tmp_path / "listing.manifest", storage_options=s3_proxy.storage_options
+    )
+    assert s3_proxy.requests == [] and other.keys() == ["s000", "s001"]

@@ -23,7 +23,7 @@ from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import decode_member, decoders_for
 from .._errors import BlobdataError, ConfigError, NotFound, note_fields
-from .._listing import SampleTable, build_table
+from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
 from .._stores.options import redact, resolve_storage_options
 from .base import BlobDatasetBase, OnError, resolve_cache
@@ -115,6 +115,13 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
     def url(self) -> str:
         """The root's canonical URL (``file:///...`` for a local folder)."""
         return self._url
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The folder's listing this dataset was made from (``ds.manifest.save(path)``, then
+        ``BlobDataset(url, manifest=path)`` on other nodes lists nothing); None when made from an index."""
+        listing: Manifest | None = self._table.listing
+        return listing
 
     @property
     def table(self) -> SampleTable:

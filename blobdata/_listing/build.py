@@ -98,13 +98,15 @@ def _build(
             if left:
                 logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
                             len(left), root, ", ".join(left[:3]))  # fmt: skip
-            return _table(root, grouped, root, "")
+            return _table(root, grouped, root, "", listing)
         objects = {rk: (int(listing.sizes[j]), listing.identity(j)) for j, rk in enumerate(relkeys)}
     samples, where = samples_from_metadata(root, metadata, objects, storage_options=storage_options)
-    return _table(root, samples, f"metadata {metadata}", where)
+    return _table(root, samples, f"metadata {metadata}", where, listing)
 
 
-def _table(root: str, samples: Any, source: str, where: str) -> SampleTable:
+def _table(root: str, samples: Any, source: str, where: str, listing: Manifest | None = None) -> SampleTable:
     if not samples:
         raise EmptyDatasetError(f"no sample in {source}: no object with an extension below {root}", url=root)
-    return SampleTable(root, samples, where=where)
+    table = SampleTable(root, samples, where=where)
+    table.listing = listing
+    return table

@@ -72,6 +72,7 @@ class SampleTable:
         "_rel_off",
         "_where",
         "_where_fmt",
+        "listing",
         "offsets",
         "root",
         "sizes",
@@ -87,6 +88,7 @@ class SampleTable:
         """``samples``: ``(key, members, fields)`` in the order to keep (callers sort by key); ``where``
         names a member's line in the file that named it (``"index x.csv line {}"``)."""
         self.root = root
+        self.listing: Any = None  # the folder's listing (a Manifest) the table was made from, if any
         members = [m for _, ms, _ in samples for m in ms]
         self._rel, self._rel_off = _join([m.relkey for m in members])
         self._ids, self._ids_off = _join([m.identity for m in members])
