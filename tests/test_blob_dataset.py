@@ -184,3 +184,50 @@ def test_a_saved_listing_is_used_instead_of_listing(s3_bucket: Any, s3_proxy: An
         s3_bucket.url("d"), manifest=tmp_path / "listing.manifest", storage_options=s3_proxy.storage_options
     )
     assert s3_proxy.requests == [] and other.keys() == ["s000", "s001"]
+
+
+def _layout(tmp_path: Path, layout: str) -> BlobDataset:
+    root = tmp_path / "d"
+    root.mkdir()
+    rows = []
+    for i in range(20):
+        (root / f"{i:02d}.txt").write_bytes(str(i).encode())
+        (root / f"{i:02d}.cls").write_bytes(str(i % 3).encode())
+        rows.append(i)
+    if layout == "metadata":
+        (root / "metadata.jsonl").write_text(
+            "".join(
+                json.dumps({"file_name": f"{i:02d}.txt", "cls_file_name": f"{i:02d}.cls"}) + "\n"
+                for i in rows
+            )
+        )
+        return BlobDataset(root, transform=_ten_plus_cls, lookahead=8)
+    if layout == "index":
+        (tmp_path / "index.csv").write_text("key\n" + "".join(f"{i:02d}.txt\n{i:02d}.cls\n" for i in rows))
+        return BlobDataset(root, index=tmp_path / "index.csv", transform=_ten_plus_cls, lookahead=8)
+    return BlobDataset(root, transform=_ten_plus_cls, lookahead=8)
+
+
+@pytest.mark.parametrize("layout", ["folder", "metadata", "index"])
+def test_every_layout_resumes_exactly_and_partitions(tmp_path: Path, layout: str) -> None:
+    ds = _layout(tmp_path, layout)
+    want = [i * 10 + i % 3 for i in range(20)]
+    assert sorted(ds[i] for i in range(len(ds))) == want
+
+    def loader() -> Any:
+        return ds.dataloader(batch_size=3, shuffle=True, generator=_gen(7), num_workers=2)
+
+    whole = [b.tolist() for b in loader()]
+    first = loader()
+    it = iter(first)
+    head = [next(it).tolist() for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))
+    del it
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert head + [b.tolist() for b in resumed] == whole
+    shares = []
+    for rank in (0, 1):  # two nodes of one rank each
+        sampler = PartitionedSampler(ds, num_replicas=2, rank=rank, seed=1, nproc_per_node=1)
+        shares.append(sorted(x for b in ds.dataloader(batch_size=4, sampler=sampler) for x in b.tolist()))
+    assert sorted(shares[0] + shares[1]) == want and not set(shares[0]) & set(shares[1])
