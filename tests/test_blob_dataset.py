@@ -231,3 +231,38 @@ def test_every_layout_resumes_exactly_and_partitions(tmp_path: Path, layout: str
         sampler = PartitionedSampler(ds, num_replicas=2, rank=rank, seed=1, nproc_per_node=1)
         shares.append(sorted(x for b in ds.dataloader(batch_size=4, sampler=sampler) for x in b.tolist()))
     assert sorted(shares[0] + shares[1]) == want and not set(shares[0]) & set(shares[1])
+
+
+def _caption(rest: dict[str, Any]) -> int:
+    return len(rest["txt"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_path_takes_the_image_member(tmp_path: Path, workers: int) -> None:
+    from blobdata import gpu
+
+    root = tmp_path / "d"
+    root.mkdir()
+    for i in range(8):
+        out = io.BytesIO()
+        Image.new("RGB", (20 + i, 16), (i * 20, 50, 0)).save(out, format="JPEG")
+        (root / f"{i}.jpg").write_bytes(out.getvalue())
+        (root / f"{i}.txt").write_text("x" * i)
+    ds = BlobDataset(root, transform=_caption)
+    loader = ds.dataloader(
+        batch_size=4,
+        num_workers=workers,
+        device="cpu",
+        gpu_transform=gpu.TrainTransform(8, channels_last=False),
+    )
+    got: list[int] = []
+    for images, targets in loader:
+        assert images.shape[1:] == (3, 8, 8) and images.device.type == "cpu"
+        got += targets.tolist()  # the rest of each dict, through transform, collated
+    assert sorted(got) == list(range(8))
+    (root / "8.jpg").write_bytes(_png(1))
+    (root / "8.png").write_bytes(_png(2))
+    (root / "8.txt").write_text("two images")
+    two = BlobDataset(root, transform=_caption)
+    with pytest.raises(DecodeError, match=r"8 has 2 image members \(jpg, png\)"):
+        list(two.dataloader(batch_size=9, device="cpu", gpu_transform=gpu.TrainTransform(8)))

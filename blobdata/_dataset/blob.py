@@ -11,6 +11,7 @@ one learned at its first read (remembered in the cache, so other processes and l
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,11 +22,12 @@ import torch.utils.data
 
 from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
-from .._decode import decode_member, decoders_for
-from .._errors import BlobdataError, ConfigError, NotFound, note_fields
+from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
+from .._errors import BlobdataError, ConfigError, DecodeError, NotFound, note_fields
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
 from .._stores.options import redact, resolve_storage_options
+from ..gpu._jpeg import prepare as prepare_raw
 from .base import BlobDatasetBase, OnError, resolve_cache
 
 __all__ = ["BlobDataset"]
@@ -65,7 +67,9 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
     :class:`~blobdata.FolderDataset`'s: ``storage_options``, ``cache``, ``manifest`` (a saved listing),
     ``refresh``, ``listing_max_age``, ``on_error``, ``fetch_options``, ``lookahead``, ``lookahead_bytes``,
     ``share_listing``; :meth:`dataloader`, ``state_dict``, ``PartitionedSampler``, ``stats()`` and
-    ``blobdata.warm(ds)`` work as with it.
+    ``blobdata.warm(ds)`` work as with it. On the device path (``dataloader(device=, gpu_transform=)``)
+    each sample's one image member goes to the device and the rest of the dict, through ``transform``,
+    is the target.
     """
 
     def __init__(
@@ -225,6 +229,10 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
                 if isinstance(data, BaseException):
                     raise data
                 t0 = clock()
+                if self._raw:  # the device path: the image's bytes for the device, the rest as the target
+                    out.append(self._raw_sample(i, key, url, data))
+                    decoding += clock() - t0
+                    continue
                 sample = self._decode(i, key, url, data)
                 t1 = clock()
                 decoding += t1 - t0
@@ -245,10 +253,12 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         v[_stats.BATCHES] += 1
         return out
 
-    def _decode(self, i: int, key: str, url: str, data: list[bytes]) -> dict[str, Any]:
+    def _decode(self, i: int, key: str, url: str, data: list[bytes], skip: int = -1) -> dict[str, Any]:
         t = self._table
         sample: dict[str, Any] = {"__key__": key, "__url__": url}
         for j, body in zip(t.members(i), data, strict=True):
+            if j == skip:
+                continue
             name = t.name(j)
             value = decode_member(body, t.url(j), self._decoders)
             if name.endswith("[]"):
@@ -260,10 +270,34 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         return sample
 
     def _raw_view(self) -> BlobDataset:
-        raise ConfigError(
-            "device= is not supported for a BlobDataset yet: decode on the CPU (no device=) and move the "
-            "batch to the GPU in the training loop"
-        )
+        """This dataset for the device path (``dataloader(device=, gpu_transform=)``): each sample's image
+        member (its only ``jpg``/``jpeg``/``png``/... object) goes to the device as bytes, and the rest of
+        the dict, through ``transform`` when given, is the target."""
+        if self._decoders is None:
+            raise ConfigError(
+                "with device=, images are decoded by blobdata.gpu: build the dataset without decoders=False"
+            )
+        view = copy.copy(self)  # shares the table and the cache
+        view.errors = self.errors  # and the skip list (copying goes through __getstate__, which empties it)
+        view._raw = True
+        return view
+
+    def _raw_sample(self, i: int, key: str, url: str, data: list[bytes]) -> tuple[Any, str, Any]:
+        t = self._table
+        rows = list(t.members(i))
+        images = [k for k, j in enumerate(rows) if extension(t.relkey(j)) in IMAGE_EXTENSIONS]
+        if len(images) != 1:
+            raise DecodeError(
+                f"sample {url} has {len(images)} image members ({', '.join(t.name(rows[k]) for k in images)})"
+                ": the device path takes samples with exactly one",
+                url=url,
+            )
+        k = images[0]
+        image_url = t.url(rows[k])
+        image = prepare_raw(data[k], image_url)
+        rest = self._decode(i, key, url, data, skip=rows[k])
+        target = self.transform(rest) if self.transform is not None else rest
+        return image, image_url, target
 
 
 class WarmObjects:

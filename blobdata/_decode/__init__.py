@@ -11,10 +11,11 @@ module             its one job
 
 from __future__ import annotations
 
-from .members import Decoders, decode_member, decoders_for, extension
+from .members import IMAGE_EXTENSIONS, Decoders, decode_member, decoders_for, extension
 from .pil import IMAGE_FORMATS, ObjectFile, decode, decode_with, default_loader
 
 __all__ = [
+    "IMAGE_EXTENSIONS",
     "IMAGE_FORMATS",
     "Decoders",
     "ObjectFile",

@@ -29,7 +29,7 @@ import numpy as np
 from .._errors import ConfigError
 from .pil import decode, default_loader
 
-__all__ = ["Decoders", "decode_member", "decoders_for", "extension"]
+__all__ = ["IMAGE_EXTENSIONS", "Decoders", "decode_member", "decoders_for", "extension"]
 
 Decoder = Callable[[bytes], Any]
 Decoders = dict[str, Decoder]
@@ -51,7 +51,8 @@ def _json(data: bytes) -> Any:
     return json.loads(data)
 
 
-_IMAGES = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
+#: Extensions decoded as images by default (and sent to the device on the GPU path).
+IMAGE_EXTENSIONS = _IMAGES = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
 _DEFAULTS: Decoders = {
     "json": _json,
     "txt": _text,
