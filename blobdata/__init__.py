@@ -43,7 +43,7 @@ from ._listing import load_or_list as list_folder
 from ._metrics import LoaderStats
 
 if _TYPE_CHECKING:
-    from ._dataset import BlobLoader, FolderDataset
+    from ._dataset import BlobDataset, BlobLoader, FolderDataset
     from ._sampling import ElasticDistributedSampler, PartitionedSampler
 
 
@@ -56,7 +56,7 @@ def _public(obj: _Any) -> _Any:
 def __getattr__(name: str) -> object:
     # FolderDataset, BlobLoader and the samplers need torch (seconds to import); the command line and
     # the cache do not.
-    if name in ("FolderDataset", "BlobLoader"):
+    if name in ("BlobDataset", "FolderDataset", "BlobLoader"):
         from . import _dataset
 
         return _public(getattr(_dataset, name))
@@ -72,6 +72,7 @@ __version__ = "0.2.0"
 __all__ = [
     "AccessDenied",
     "BlobCache",
+    "BlobDataset",
     "BlobLoader",
     "BlobdataError",
     "CacheError",
@@ -97,7 +98,7 @@ __all__ = [
     "warm",
 ]
 
-_LAZY = ("BlobLoader", "ElasticDistributedSampler", "FolderDataset", "PartitionedSampler")
+_LAZY = ("BlobDataset", "BlobLoader", "ElasticDistributedSampler", "FolderDataset", "PartitionedSampler")
 for _name in __all__:
     if _name != "__version__" and _name not in _LAZY:
         _public(globals()[_name])

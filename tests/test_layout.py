@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "_cache": set(),
     "_decode": {"_node"},
     "_fetch": {"_node", "_metrics", "_stores"},
-    "_listing": {"_metrics", "_node", "_stores"},
+    "_listing": {"_fetch", "_metrics", "_node", "_stores"},
     "_sampling": {"_listing"},
     "transforms": {"_decode"},
     "gpu": {"_metrics", "_decode", "transforms"},

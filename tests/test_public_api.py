@@ -11,6 +11,7 @@ def test_all_is_sorted_and_exact() -> None:
     assert set(blobdata.__all__) == {
         "AccessDenied",
         "BlobCache",
+        "BlobDataset",
         "BlobLoader",
         "BlobdataError",
         "CacheError",
@@ -47,7 +48,7 @@ def test_nothing_else_leaks() -> None:
     assert public - subpackages == set(blobdata.__all__) - {"__version__"} - _LAZY, sorted(public)
 
 
-_LAZY = {"BlobLoader", "ElasticDistributedSampler", "FolderDataset", "PartitionedSampler"}
+_LAZY = {"BlobDataset", "BlobLoader", "ElasticDistributedSampler", "FolderDataset", "PartitionedSampler"}
 
 
 def test_exports_say_blobdata_wherever_they_live() -> None:

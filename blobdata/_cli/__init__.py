@@ -18,7 +18,8 @@ from __future__ import annotations
 from . import warm
 from .bench import BenchResult, advise, plot, run_bench
 from .main import entry, main, parse_storage_options
-from .warm import human_size, warm_cache
+from .warm import human_size
+from .warm_objects import warm_cache
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, WarmSummary
 
 __all__ = [

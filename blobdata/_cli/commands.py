@@ -19,6 +19,7 @@ from .._stores import redact, resolve_storage_options
 from .._url import parse_url, printable
 from . import bench as _bench
 from .warm import has_cache, human_size, print_summary, used_bytes, warm
+from .warm_objects import dataset_for, warm_dataset
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 __all__ = [
@@ -119,22 +120,10 @@ def _age(seconds: float) -> str:
 # -- warm ----------------------------------------------------------------------------------------
 
 
-def cmd_warm(args: argparse.Namespace) -> int:
-    from .._cache import parse_limit
-
-    url = str(parse_url(args.url))
-    opts = parse_storage_options(args.storage_option or [])
-    if args.concurrency < 1:
-        raise ConfigError(f"--concurrency must be a positive integer, got {args.concurrency}")
-    size = parse_limit(args.cache_size, name="--cache-size") if args.cache_size is not None else None
-    parse_size(args.buffer_size, name="--buffer-size")
-    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
-        raise ConfigError(
-            f"--rank must be in 0..{args.world_size - 1} for --world-size {args.world_size}, got {args.rank}"
-        )
-    log.debug("storage options: %s", redact(opts))
-    resolved = resolve_storage_options(parse_url(url).protocol, opts)
-    t0, started = time.monotonic(), time.time()
+def _warm_folder(
+    args: argparse.Namespace, url: str, resolved: dict[str, Any], size: int | None, t0: float, started: float
+) -> tuple[Any, str | None, Any, str | None]:
+    """Warm a class folder (FolderDataset's listing): (summary, eviction line, node share, memory note)."""
     manifest = _manifest_for(args, url, resolved)
     memory = _from_memory(manifest, args, started)
     if memory is not None:
@@ -154,10 +143,46 @@ def cmd_warm(args: argparse.Namespace) -> int:
         manifest=manifest,
         indices=indices,
         buffer_size=args.buffer_size,
-        # A bar only on a terminal: into a file or a pipe each redraw would be a line of \r noise.
-        progress=not (args.no_progress or args.quiet) and sys.stderr.isatty(),
+        progress=_bar(args),
         dry_run=args.dry_run,
     )
+    return summary, evicted, indices, memory
+
+
+def _bar(args: argparse.Namespace) -> bool:
+    # A bar only on a terminal: into a file or a pipe each redraw would be a line of \r noise.
+    return not (args.no_progress or args.quiet) and sys.stderr.isatty()
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    from .._cache import parse_limit
+
+    url = str(parse_url(args.url))
+    opts = parse_storage_options(args.storage_option or [])
+    if args.concurrency < 1:
+        raise ConfigError(f"--concurrency must be a positive integer, got {args.concurrency}")
+    size = parse_limit(args.cache_size, name="--cache-size") if args.cache_size is not None else None
+    parse_size(args.buffer_size, name="--buffer-size")
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        raise ConfigError(
+            f"--rank must be in 0..{args.world_size - 1} for --world-size {args.world_size}, got {args.rank}"
+        )
+    log.debug("storage options: %s", redact(opts))
+    resolved = resolve_storage_options(parse_url(url).protocol, opts)
+    t0, started = time.monotonic(), time.time()
+    ds = dataset_for(args, url, resolved)
+    memory: str | None = None
+    if ds is not None:  # --objects / --index / --metadata: what a BlobDataset reads, every member
+        shares = _node_share(args, len(ds))
+        indices = ds.object_rows(shares.tolist()) if shares is not None else None
+        evicted = None
+        summary = warm_dataset(
+            ds, args.cache_dir, rank=args.rank, world_size=args.world_size, indices=indices,
+            concurrency=args.concurrency, cache_size=size, cache_policy=args.cache_policy,
+            buffer_size=args.buffer_size, progress=_bar(args), dry_run=args.dry_run,
+        )  # fmt: skip
+    else:
+        summary, evicted, indices, memory = _warm_folder(args, url, resolved, size, t0, started)
     if args.dry_run:
         return EXIT_OK if summary.fits else EXIT_FAILED  # "does NOT fit" is a failure to scripts
     if summary.denied and summary.first_error is not None and not summary.interrupted:

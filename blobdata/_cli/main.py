@@ -149,6 +149,19 @@ def _parser() -> argparse.ArgumentParser:
         "--buffer-size", default="256MiB", help="fetched bytes held in memory at most (default 256MiB)"
     )
     w.add_argument("--no-progress", action="store_true", help="no progress bar (as --quiet)")
+    w.add_argument(
+        "--objects", action="store_true",
+        help="warm every object a blobdata.BlobDataset(URL) reads (any layout, every member of each sample)",
+    )  # fmt: skip
+    w.add_argument(
+        "--index", metavar="FILE",
+        help="warm the objects an index names (CSV, JSONL, Parquet or an S3 Inventory manifest.json), as "
+        "BlobDataset(URL, index=FILE) reads them: no listing",
+    )  # fmt: skip
+    w.add_argument(
+        "--metadata", metavar="FILE",
+        help="warm the objects a metadata file's rows name, as BlobDataset(URL, metadata=FILE)",
+    )  # fmt: skip
     w.set_defaults(func=cmd_warm)
 
     ls = sub.add_parser("ls", parents=[common, listing], help="list a folder: classes, objects, bytes")

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, TextIO
 
 import numpy as np
@@ -32,7 +32,7 @@ from .._metrics import RequestsLine
 from .._url import parse_url
 from .warm_summary import WarmSummary, human_size, print_summary, used_bytes
 
-__all__ = ["WarmSummary", "human_size", "open_cache", "print_summary", "used_bytes", "warm", "warm_cache"]
+__all__ = ["WarmSummary", "human_size", "open_cache", "print_summary", "used_bytes", "warm"]
 
 log = logging.getLogger("blobdata")
 
@@ -210,9 +210,14 @@ async def _fetch_all(job: _Job, stop: asyncio.Event) -> None:
                 return
             admitted += size
             url, identity = m.url(i), m.identity(i)
+            learn = getattr(m, "learn", None)  # a BlobDataset's objects: what its index lacks is learned
             await budget.acquire(size)
             try:
-                data, _ = await job.engine.fetch(url, size=size, identity=identity)
+                if learn is not None and not identity:
+                    data, identity = await job.engine.fetch(url, size=m.known_size(i))
+                    learn(url, identity)
+                else:
+                    data, _ = await job.engine.fetch(url, size=size, identity=identity)
             except Exception as exc:
                 budget.release(size)
                 fail(url, exc)
@@ -461,47 +466,3 @@ def _wait(
             if on_interrupt is not None:
                 on_interrupt()
             raise
-
-
-def warm_cache(
-    url: str,
-    *,
-    cache: str | os.PathLike[str] | Any,
-    storage_options: Mapping[str, Any] | None = None,
-    manifest: str | os.PathLike[str] | None = None,
-    refresh: bool = False,
-    extensions: tuple[str, ...] | None = None,
-    fetch_options: FetchOptions | None = None,
-    rank: int = 0,
-    world_size: int = 1,
-    progress: bool = False,
-    dry_run: bool = False,
-) -> WarmSummary:
-    """Fill a cache with a folder's objects from Python, as ``blobdata warm`` does (``blobdata.warm``).
-
-    ``cache`` is a directory or a :class:`~blobdata.BlobCache` (its size limit and policy apply). The
-    folder is listed as :class:`~blobdata.FolderDataset` lists it (remembered listing, ``manifest``,
-    ``refresh``, ``extensions``); ``rank``/``world_size`` warm one node's share (samples ``i`` with
-    ``i % world_size == rank``). Returns a :class:`WarmSummary` (objects fetched, skipped, failed...).
-    """
-    from .._cache import BlobCache
-    from .._listing import load_or_list
-    from .._stores import resolve_storage_options
-
-    parsed = parse_url(url)
-    opts = resolve_storage_options(parsed.protocol, storage_options)
-    options = fetch_options if fetch_options is not None else FetchOptions()
-    m = load_or_list(
-        str(parsed), storage_options=opts, manifest=manifest, refresh=refresh, extensions=extensions,
-        fetch_options=options, progress=progress,
-    )  # fmt: skip
-    size: int | None
-    if isinstance(cache, BlobCache):
-        directory, size, policy = cache.directory, cache.size_limit, cache.policy
-    else:
-        directory, size, policy = os.fspath(cache), None, "admit"
-    return warm(
-        str(parsed), cache_dir=directory, cache_size=size, cache_policy=policy, storage_options=opts,
-        concurrency=options.concurrency, rank=rank, world_size=world_size, manifest=m, progress=progress,
-        dry_run=dry_run,
-    )  # fmt: skip

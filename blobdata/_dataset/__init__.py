@@ -4,6 +4,8 @@ DataLoader it returns.
 =================  ==========================================================================
 module             its one job
 =================  ==========================================================================
+``base``           what every dataset shares: per-process engine and cache, look-ahead, loader
+``blob``           :class:`BlobDataset`: any folder, samples of several objects, metadata, index
 ``folder``         :class:`FolderDataset`: a listing, the fetch engine, the cache and decode as
                    ImageFolder's contract
 ``imagefolder``    ImageFolder's attributes and hooks: ``samples``/``targets``/``imgs``, overrides
@@ -15,7 +17,8 @@ Importing this package imports torch.
 
 from __future__ import annotations
 
+from .blob import BlobDataset
 from .folder import FolderDataset
 from .loader import BlobLoader
 
-__all__ = ["BlobLoader", "FolderDataset"]
+__all__ = ["BlobDataset", "BlobLoader", "FolderDataset"]

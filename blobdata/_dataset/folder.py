@@ -9,103 +9,30 @@ staging area) is created lazily in each process and recreated when the process i
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
 import functools
-import logging
 import os
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch.utils.data
 
-from .. import _process
-from .._cache import BlobCache, CacheWriter
-from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_size
+from .._cache import BlobCache
+from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import decode, decode_with, default_loader
 from .._errors import BlobdataError, ConfigError, note_fields
-from .._fetch import FetchEngine, LookAhead, PlanChannel
 from .._listing import Manifest, listing_params, load_or_list, shared_manifest
-from .._loop import get_loop, run, submit
-from .._metrics import SkipLog
 from .._metrics import stats as _stats
 from .._stores import redact, resolve_storage_options
-from .._url import parse_url, printable
 from ..gpu._jpeg import prepare as prepare_raw
+from .base import BlobDatasetBase, OnError, resolve_cache
 from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
-from .loader import BlobLoader
 
 __all__ = ["FolderDataset"]
 
-log = logging.getLogger("blobdata")
 
-OnError = Literal["raise", "skip"] | Callable[[str, BaseException], None]
-
-
-def _resolve_cache(
-    cache: str | os.PathLike[str] | BlobCache | None,
-    cache_dir: str | os.PathLike[str] | None,
-    cache_size: int | str | None,
-    cache_policy: Literal["admit", "lru"] | None,
-) -> BlobCache | None:
-    """The dataset's cache from ``cache=`` (or the deprecated spellings), opened once here so that an
-    unusable directory is an error now, not a warning per worker later."""
-    if cache_dir is not None or cache_size is not None or cache_policy is not None:
-        warnings.warn(
-            "FolderDataset(cache_dir=, cache_size=, cache_policy=) are deprecated: pass cache=DIR, or "
-            "cache=BlobCache(DIR, size_limit=..., policy=...)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if cache is not None:
-            raise ConfigError(
-                "pass cache= only (cache_dir=, cache_size= and cache_policy= are its old names)"
-            )
-        if cache_dir is None:
-            return None
-        cache = BlobCache(cache_dir, size_limit=cache_size, policy=cache_policy or "admit")
-    if cache is None or isinstance(cache, BlobCache):
-        return cache
-    if not isinstance(cache, (str, os.PathLike)):
-        raise ConfigError(f"cache must be a directory or a BlobCache, got {type(cache).__name__}")
-    return BlobCache(cache)
-
-
-class _Process:
-    """Per-process handles: fetch engine, cache, staging area. Never pickled."""
-
-    def __init__(self, ds: FolderDataset) -> None:
-        self.pid = _process.pid()
-        self.engine = FetchEngine(
-            ds.fetch_options,
-            ds._protocol,
-            resolve_storage_options(ds._protocol, ds._storage_options),
-            root=ds.url,
-        )
-        # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
-        self.cache: BlobCache | None = ds.cache
-        self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
-        self.lookahead: LookAhead | None = None
-        # Connections belong to this process's loop: close them there when this state goes away
-        # (the engine closes them itself at interpreter exit).
-        weakref.finalize(self, _close_engine, self.engine, self.pid)
-
-
-def _count_stored(n: int) -> None:
-    _stats.rec()[_stats.CACHE_STORED] += n
-
-
-def _close_engine(engine: FetchEngine, pid: int) -> None:
-    if _process.pid() == pid:
-        with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
-            submit(engine.aclose())
-
-
-class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
+class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Dataset[Any]):
     """A folder of class sub-folders in a bucket, with the contract of torchvision's ``ImageFolder``.
 
     ``root`` is any supported URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://`` or a local
@@ -166,28 +93,20 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
         cache_size: int | str | None = None,
         cache_policy: Literal["admit", "lru"] | None = None,
     ) -> None:
-        given = os.path.expanduser(root) if isinstance(root, str) else root
-        url = parse_url(given)
+        given = self._setup(
+            root,
+            storage_options=storage_options,
+            cache=resolve_cache(cache, cache_dir, cache_size, cache_policy),
+            on_error=on_error,
+            fetch_options=fetch_options,
+            lookahead=lookahead,
+            lookahead_bytes=lookahead_bytes,
+        )
         self.root = given  # as given, as ImageFolder keeps it; the canonical URL is `url`
-        self._url = str(url)
-        local = os.fspath(given) if url.protocol == "file" else None
-        self._local_root = url.prefix if local is not None and local.startswith("file://") else local
-        self.cache = _resolve_cache(cache, cache_dir, cache_size, cache_policy)
-        if on_error not in ("raise", "skip") and not callable(on_error):
-            raise ConfigError(f"on_error must be 'raise', 'skip' or a callable, got {on_error!r}")
-        if not isinstance(lookahead, int) or lookahead < 0:
-            raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
-        self._protocol = url.protocol
-        self._storage_options = dict(storage_options or {})
         self.transform = transform
         self.target_transform = target_transform
         self.loader = loader if loader is not None else default_loader
         self.extensions = extensions
-        self.fetch_options = fetch_options if fetch_options is not None else FetchOptions()
-        self.on_error = on_error
-        self.lookahead = lookahead
-        self.lookahead_bytes = parse_size(lookahead_bytes, name="lookahead_bytes")
-        self.errors: list[tuple[str, BlobdataError]] = []
         cls = type(self)
         own_make = cls.make_dataset is not ImageFolderContract.make_dataset
         own_find = own_make or cls.find_classes is not ImageFolderContract.find_classes
@@ -220,18 +139,6 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
                 self._manifest, self._targets, self.classes, self.class_to_idx = got
             finally:
                 building.reset(token)
-        self._channel: PlanChannel | None = None
-        self._proc: _Process | None = None
-
-    @property
-    def cache_dir(self) -> str | None:
-        """The cache's directory, or None without a cache."""
-        return self.cache.directory if self.cache is not None else None
-
-    @property
-    def cache_size(self) -> int | None:
-        """The cache's size bound in bytes, or None without a cache."""
-        return self.cache.size_limit if self.cache is not None else None
 
     # -- ImageFolder compatibility -------------------------------------------------------------
     @property
@@ -252,36 +159,17 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
 
     # -- pickling: per-process state stays behind --------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_proc"] = None
-        state["errors"] = []
+        state = super().__getstate__()
         state["_targets_list"] = None  # the workers load from the arrays
         return state
 
     # -- reading -----------------------------------------------------------------------------------
-    def __getitem__(self, index: int) -> Any:
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"index {index} out of range for {n} samples")
-        index %= n
-        if self.on_error == "raise":
-            return self.__getitems__([index])[0]
-        for attempt in range(min(n, 16)):
-            got = self.__getitems__([(index + attempt) % n])
-            if got:
-                return got[0]
-        raise BlobdataError(
-            f"16 consecutive samples from index {index} of {self._url} failed; see the warnings"
-        )
-
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """Fetch all samples of a batch at once (misses requested concurrently), then decode them."""
         idx = [int(i) for i in indices]
         clock = time.perf_counter
-        t = clock()
-        datas = run(self._gather(idx))
+        datas = self._fetched(idx)
         v = _stats.rec()
-        v[_stats.FETCH_WAIT_S] += clock() - t
         decoding = transforming = 0.0
         out: list[Any] = []
         m, targets = self._manifest, self._targets
@@ -326,110 +214,13 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
         v[_stats.BATCHES] += 1
         return out
 
-    def _report(self, url: str, exc: BlobdataError) -> None:
-        self.errors.append((url, exc))
-        if self._channel is not None and torch.utils.data.get_worker_info() is not None:
-            SkipLog(self._channel.path).record(url, exc)  # for the training process's ds.errors
-        _stats.rec()[_stats.ERRORS] += 1
-        log.warning("blobdata: skipped bad sample %s: %s", printable(url), printable(exc))
-        if callable(self.on_error):
-            self.on_error(url, exc)
-
-    def _process(self) -> _Process:
-        proc = self._proc
-        if proc is None or proc.pid != _process.pid():
-            proc = self._proc = _Process(self)
-        return proc
-
     async def _load(self, i: int) -> bytes:
         """Bytes of sample ``i``: from the cache, else from the bucket (then offered to the cache)."""
-        proc = self._process()
         m = self._manifest
-        url, identity = m.url(i), m.identity(i)
-        v = _stats.rec()
-        if proc.cache is not None:
-            # Inline on the loop thread: a hit is one index read and one file read (~50 us), less
-            # than a hop to an executor thread costs.
-            t = time.perf_counter()
-            data = proc.cache.get(url, identity)
-            v[_stats.CACHE_S] += time.perf_counter() - t
-            if data is not None:
-                v[_stats.FROM_CACHE] += 1
-                v[_stats.BYTES_CACHE] += len(data)
-                return data
-        data, _ = await proc.engine.fetch(url, size=m.size(i), identity=identity)
-        v[_stats.FROM_BUCKET] += 1
-        # offer() never waits: written in batches off this path, or dropped (and counted) when behind.
-        if proc.writer is not None and not proc.writer.offer(url, identity, data):
-            v[_stats.CACHE_DROPPED] += 1
-        return data
+        return (await self._fetch_object(m.url(i), m.size(i), m.identity(i)))[0]
 
-    def _lookahead(self, proc: _Process) -> LookAhead | None:
-        if self.lookahead <= 0:
-            return None
-        if proc.lookahead is None:
-            proc.lookahead = LookAhead(
-                self._load,
-                lambda i: int(self._manifest.sizes[i]),
-                max_items=self.lookahead,
-                max_bytes=self.lookahead_bytes,
-            )
-        return proc.lookahead
-
-    async def _gather(self, indices: list[int]) -> list[bytes | BaseException]:
-        proc = self._process()
-        ahead = proc.lookahead
-        tasks: list[asyncio.Future[bytes]] = []
-        staged_n = 0
-        for i in indices:
-            staged = ahead.take(i) if ahead is not None else None
-            staged_n += staged is not None
-            tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
-        _stats.rec()[_stats.STAGED] += staged_n
-        # After this batch's own requests, so that the order requests start in is the sampler's.
-        channel = self._channel
-        ahead = self._lookahead(proc) if channel is not None else None
-        if ahead is not None and channel is not None:
-            info = torch.utils.data.get_worker_info()
-            ahead.advance(channel, indices, info.num_workers if info is not None else 1)
-        return list(await asyncio.gather(*tasks, return_exceptions=True))
-
-    # -- loaders that know the order ---------------------------------------------------------------
-    def dataloader(
-        self,
-        batch_size: int | None = 1,
-        shuffle: bool | None = None,
-        *,
-        device: str | torch.device | None = None,
-        gpu_transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
-        **kwargs: Any,
-    ) -> BlobLoader:
-        """A ``torch.utils.data.DataLoader`` (a :class:`~blobdata.BlobLoader`) whose order blobdata sees,
-        so that each process fetches ahead of the batches it will be given.
-
-        Takes DataLoader's arguments with their meaning: the same arguments and the same seeded
-        ``generator`` give exactly the batches ``DataLoader(self, ...)`` gives. Use
-        ``sampler=DistributedSampler(ds)`` for DDP (each rank then fetches only its own indices) and
-        call ``sampler.set_epoch(e)`` as usual; ``blobdata.ElasticDistributedSampler`` gives the same
-        order and resumes at another world size. The loader has ``state_dict``/``load_state_dict``.
-        ``sampler="partitioned"``: a ``blobdata.PartitionedSampler(ds)`` (each node, one share, every epoch).
-
-        ``device="cuda"`` with ``gpu_transform=`` (e.g. ``blobdata.gpu.TrainTransform(224)``) is the GPU
-        path: workers only fetch bytes, and the training process decodes each batch on the GPU
-        (hardware JPEG decoder where there is one, Pillow for what it refuses) and applies
-        ``gpu_transform`` to it on a side CUDA stream, one batch ahead of the loop; batches are
-        ``(images, targets)`` on the device. The dataset must then have no ``transform`` or custom
-        ``loader`` (``target_transform`` still runs in the workers). ``device="cpu"`` runs the same path
-        on the CPU. Needs ``pip install 'blobdata[gpu]'`` for CUDA; see :mod:`blobdata.gpu`.
-        """
-        if isinstance(kwargs.get("sampler"), str):
-            kwargs["sampler"] = _named_sampler(self, kwargs["sampler"], shuffle)
-            shuffle = None
-        # All by keyword: Lightning re-makes a loader from the arguments it was made with, adding its
-        # own sampler= and shuffle=, which must not collide with positional ones.
-        return BlobLoader(
-            self, batch_size=batch_size, shuffle=shuffle, device=device, gpu_transform=gpu_transform, **kwargs
-        )
+    def _size_of(self, i: int) -> int:
+        return int(self._manifest.sizes[i])
 
     def _raw_view(self) -> FolderDataset:
         """This dataset returning ``(bytes, url, target)`` samples (the device path's workers)."""
@@ -446,28 +237,3 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
         view.errors = self.errors  # and the skip list (copying goes through __getstate__, which empties it)
         view._raw = True
         return view
-
-    def _attach(self, channel: PlanChannel) -> None:
-        """Read the plans of the loader that owns ``channel`` (the latest loader made, in this process)."""
-        self._channel = channel
-        _stats.attach(channel.path)  # this process's counters go to the loader's stats from now on
-
-    def close(self) -> None:
-        """Drop this process's staged data and cache handle (they are recreated on next use)."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.pid == _process.pid():
-            if proc.lookahead is not None:
-                get_loop().call_soon_threadsafe(proc.lookahead.clear)
-            if proc.writer is not None:
-                proc.writer.flush()
-            if proc.cache is not None:
-                proc.cache.close()
-            proc.engine.close()
-
-
-def _named_sampler(ds: FolderDataset, name: str, shuffle: bool | None) -> Any:
-    if name != "partitioned":  # dataloader(sampler="partitioned"): the job's PartitionedSampler, seed 0
-        raise ConfigError(f'sampler= takes a sampler or "partitioned", got {name!r}')
-    from .._sampling import PartitionedSampler
-
-    return PartitionedSampler(ds, shuffle=shuffle is not False)

@@ -8,18 +8,34 @@ module             its one job
 ``manifest``       :class:`Manifest`: the listing as numpy arrays, saved and loaded without pickle
 ``filters``        what identifies an ``is_valid_file`` filter, so a listing is reused only for it
 ``distributed``    ranks, and one listing per job (rank 0 lists, the others receive it)
+``flat``           every object below a folder (a BlobDataset's listing), remembered
+``samples``        webdataset's key rule; :class:`SampleTable`, the samples of a BlobDataset
+``metadata``       Hugging Face's metadata files (``file_name`` columns) as samples
+``index``          index files and S3 Inventory reports instead of a listing
+``tables``         rows of a CSV, JSONL or Parquet file, local or in a bucket
+``build``          which of those makes a BlobDataset's samples
 =================  ==========================================================================
 """
 
 from __future__ import annotations
 
+from .build import METADATA_NAMES, build_table
 from .distributed import dist_info, env_info, shared_file, shared_manifest
 from .filters import UNIDENTIFIED, filter_identity
+from .flat import list_flat, load_or_list_flat
 from .folders import IMG_EXTENSIONS, identity_from_info, list_folder, list_with, listing_params, load_or_list
 from .manifest import Manifest, manifest_path
+from .samples import Member, SampleTable, split_key
 
 __all__ = [
     "IMG_EXTENSIONS",
+    "METADATA_NAMES",
+    "Member",
+    "SampleTable",
+    "build_table",
+    "list_flat",
+    "load_or_list_flat",
+    "split_key",
     "UNIDENTIFIED",
     "Manifest",
     "dist_info",

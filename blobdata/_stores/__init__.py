@@ -21,7 +21,7 @@ from typing import Any
 from .._config import FetchOptions
 from .._url import BlobURL
 from . import local
-from .base import Entry, Lister, Reader, ReadResult, StoreInfo
+from .base import Entry, Lister, Reader, ReadResult, StoreInfo, listed_size
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
 from .options import options_token, redact
 
@@ -34,6 +34,7 @@ __all__ = [
     "credential_hint",
     "get_fs",
     "identity_from_info",
+    "listed_size",
     "lister_for",
     "listing_scope",
     "options_token",

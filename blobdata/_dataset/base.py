@@ -1,0 +1,329 @@
+"""What every blobdata dataset shares: the per-process fetch engine and cache handle, the read path of
+one object (cache, else bucket, then offered to the cache), the look-ahead along the loader's order,
+``on_error``, pickling for workers, and :meth:`BlobDatasetBase.dataloader`.
+
+A dataset built on it (:class:`~blobdata.FolderDataset`, :class:`~blobdata.BlobDataset`) says what one
+sample index reads (:meth:`~BlobDatasetBase._load`: one object, or every member of a sample, fetched
+together as one look-ahead unit), how many bytes that is (:meth:`~BlobDatasetBase._size_of`), and how
+the fetched bytes become a sample (``__getitems__``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch.utils.data
+
+from .. import _process
+from .._cache import BlobCache, CacheWriter
+from .._config import FetchOptions, parse_size
+from .._errors import BlobdataError, ConfigError
+from .._fetch import FetchEngine, LookAhead, PlanChannel
+from .._loop import get_loop, run, submit
+from .._metrics import SkipLog
+from .._metrics import stats as _stats
+from .._stores import resolve_storage_options
+from .._url import parse_url, printable
+from .loader import BlobLoader
+
+__all__ = ["BlobDatasetBase", "OnError", "resolve_cache"]
+
+log = logging.getLogger("blobdata")
+
+OnError = Literal["raise", "skip"] | Callable[[str, BaseException], None]
+
+
+def resolve_cache(
+    cache: str | os.PathLike[str] | BlobCache | None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    cache_size: int | str | None = None,
+    cache_policy: Literal["admit", "lru"] | None = None,
+) -> BlobCache | None:
+    """The dataset's cache from ``cache=`` (or the deprecated spellings), opened once here so that an
+    unusable directory is an error now, not a warning per worker later."""
+    if cache_dir is not None or cache_size is not None or cache_policy is not None:
+        warnings.warn(
+            "FolderDataset(cache_dir=, cache_size=, cache_policy=) are deprecated: pass cache=DIR, or "
+            "cache=BlobCache(DIR, size_limit=..., policy=...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        if cache is not None:
+            raise ConfigError(
+                "pass cache= only (cache_dir=, cache_size= and cache_policy= are its old names)"
+            )
+        if cache_dir is None:
+            return None
+        cache = BlobCache(cache_dir, size_limit=cache_size, policy=cache_policy or "admit")
+    if cache is None or isinstance(cache, BlobCache):
+        return cache
+    if not isinstance(cache, (str, os.PathLike)):
+        raise ConfigError(f"cache must be a directory or a BlobCache, got {type(cache).__name__}")
+    return BlobCache(cache)
+
+
+class _Process:
+    """Per-process handles: fetch engine, cache, staging area. Never pickled."""
+
+    def __init__(self, ds: BlobDatasetBase) -> None:
+        self.pid = _process.pid()
+        self.engine = FetchEngine(
+            ds.fetch_options,
+            ds._protocol,
+            resolve_storage_options(ds._protocol, ds._storage_options),
+            root=ds._url,
+        )
+        # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
+        self.cache: BlobCache | None = ds.cache
+        self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
+        self.lookahead: LookAhead | None = None
+        # Connections belong to this process's loop: close them there when this state goes away
+        # (the engine closes them itself at interpreter exit).
+        weakref.finalize(self, _close_engine, self.engine, self.pid)
+
+
+def _count_stored(n: int) -> None:
+    _stats.rec()[_stats.CACHE_STORED] += n
+
+
+def _close_engine(engine: FetchEngine, pid: int) -> None:
+    if _process.pid() == pid:
+        with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
+            submit(engine.aclose())
+
+
+class BlobDatasetBase:
+    """The machinery of a dataset read from a store (see the module docstring); not used directly."""
+
+    _url: str
+    _local_root: str | None
+    _protocol: str
+    _storage_options: dict[str, Any]
+    _raw = False
+
+    def _setup(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None,
+        cache: BlobCache | None,
+        on_error: OnError,
+        fetch_options: FetchOptions | None,
+        lookahead: int,
+        lookahead_bytes: int | str,
+    ) -> str | os.PathLike[str]:
+        """Set the settings every dataset has; returns the root as given (``~`` expanded)."""
+        given = os.path.expanduser(root) if isinstance(root, str) else root
+        url = parse_url(given)
+        self._url = str(url)
+        local = os.fspath(given) if url.protocol == "file" else None
+        self._local_root = url.prefix if local is not None and local.startswith("file://") else local
+        self.cache = cache
+        if on_error not in ("raise", "skip") and not callable(on_error):
+            raise ConfigError(f"on_error must be 'raise', 'skip' or a callable, got {on_error!r}")
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
+        self._protocol = url.protocol
+        self._storage_options = dict(storage_options or {})
+        self.fetch_options = fetch_options if fetch_options is not None else FetchOptions()
+        self.on_error = on_error
+        self.lookahead = lookahead
+        self.lookahead_bytes = parse_size(lookahead_bytes, name="lookahead_bytes")
+        self.errors: list[tuple[str, BlobdataError]] = []
+        self._channel: PlanChannel | None = None
+        self._proc: _Process | None = None
+        return given
+
+    # -- what a dataset says -----------------------------------------------------------------------
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        raise NotImplementedError
+
+    async def _load(self, i: int) -> Any:
+        """What sample ``i`` reads (its bytes, or every member's), one look-ahead unit."""
+        raise NotImplementedError
+
+    def _size_of(self, i: int) -> int:
+        """Bytes sample ``i`` reads, as far as known (the look-ahead's byte budget)."""
+        raise NotImplementedError
+
+    @property
+    def cache_dir(self) -> str | None:
+        """The cache's directory, or None without a cache."""
+        return self.cache.directory if self.cache is not None else None
+
+    @property
+    def cache_size(self) -> int | None:
+        """The cache's size bound in bytes, or None without a cache."""
+        return self.cache.size_limit if self.cache is not None else None
+
+    # -- pickling: per-process state stays behind --------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_proc"] = None
+        state["errors"] = []
+        return state
+
+    # -- reading -----------------------------------------------------------------------------------
+    def __getitem__(self, index: int) -> Any:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} samples")
+        index %= n
+        if self.on_error == "raise":
+            return self.__getitems__([index])[0]
+        for attempt in range(min(n, 16)):
+            got = self.__getitems__([(index + attempt) % n])
+            if got:
+                return got[0]
+        raise BlobdataError(
+            f"16 consecutive samples from index {index} of {self._url} failed; see the warnings"
+        )
+
+    def _report(self, url: str, exc: BlobdataError) -> None:
+        self.errors.append((url, exc))
+        if self._channel is not None and torch.utils.data.get_worker_info() is not None:
+            SkipLog(self._channel.path).record(url, exc)  # for the training process's ds.errors
+        _stats.rec()[_stats.ERRORS] += 1
+        log.warning("blobdata: skipped bad sample %s: %s", printable(url), printable(exc))
+        if callable(self.on_error):
+            self.on_error(url, exc)
+
+    def _process(self) -> _Process:
+        proc = self._proc
+        if proc is None or proc.pid != _process.pid():
+            proc = self._proc = _Process(self)
+        return proc
+
+    def _fetched(self, indices: list[int]) -> list[Any]:
+        """Fetch what the samples ``indices`` read, all at once; the time is counted as fetch wait."""
+        t = time.perf_counter()
+        datas = run(self._gather(indices))
+        _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t
+        return datas
+
+    async def _fetch_object(
+        self, url: str, size: int | None, identity: str, *, learn: bool = False
+    ) -> tuple[bytes, str]:
+        """One object's ``(bytes, identity)``: from the cache, else from the bucket (then offered to the
+        cache under ``identity``). With ``learn`` and ``identity`` "" (not known yet), the store's answer
+        is read whatever it is and offered under the identity the store gave, which is returned."""
+        proc = self._process()
+        v = _stats.rec()
+        unknown = learn and not identity
+        if proc.cache is not None and not unknown:
+            # Inline on the loop thread: a hit is one index read and one file read (~50 us), less
+            # than a hop to an executor thread costs.
+            t = time.perf_counter()
+            data = proc.cache.get(url, identity)
+            v[_stats.CACHE_S] += time.perf_counter() - t
+            if data is not None:
+                v[_stats.FROM_CACHE] += 1
+                v[_stats.BYTES_CACHE] += len(data)
+                return data, identity
+        data, got = await proc.engine.fetch(url, size=size, identity=None if unknown else identity)
+        v[_stats.FROM_BUCKET] += 1
+        key = got if unknown else identity
+        # offer() never waits: written in batches off this path, or dropped (and counted) when behind.
+        if proc.writer is not None and (key or not unknown) and not proc.writer.offer(url, key, data):
+            v[_stats.CACHE_DROPPED] += 1
+        return data, key
+
+    def _lookahead(self, proc: _Process) -> LookAhead | None:
+        if self.lookahead <= 0:
+            return None
+        if proc.lookahead is None:
+            proc.lookahead = LookAhead(
+                self._load, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes
+            )
+        return proc.lookahead
+
+    async def _gather(self, indices: list[int]) -> list[Any]:
+        proc = self._process()
+        ahead = proc.lookahead
+        tasks: list[asyncio.Future[Any]] = []
+        staged_n = 0
+        for i in indices:
+            staged = ahead.take(i) if ahead is not None else None
+            staged_n += staged is not None
+            tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
+        _stats.rec()[_stats.STAGED] += staged_n
+        # After this batch's own requests, so that the order requests start in is the sampler's.
+        channel = self._channel
+        ahead = self._lookahead(proc) if channel is not None else None
+        if ahead is not None and channel is not None:
+            info = torch.utils.data.get_worker_info()
+            ahead.advance(channel, indices, info.num_workers if info is not None else 1)
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+    # -- loaders that know the order ---------------------------------------------------------------
+    def dataloader(
+        self,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        *,
+        device: str | torch.device | None = None,
+        gpu_transform: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> BlobLoader:
+        """A ``torch.utils.data.DataLoader`` (a :class:`~blobdata.BlobLoader`) whose order blobdata sees,
+        so that each process fetches ahead of the batches it will be given.
+
+        Takes DataLoader's arguments with their meaning: the same arguments and the same seeded
+        ``generator`` give exactly the batches ``DataLoader(self, ...)`` gives. Use
+        ``sampler=DistributedSampler(ds)`` for DDP (each rank then fetches only its own indices) and
+        call ``sampler.set_epoch(e)`` as usual; ``blobdata.ElasticDistributedSampler`` gives the same
+        order and resumes at another world size. The loader has ``state_dict``/``load_state_dict``.
+        ``sampler="partitioned"``: a ``blobdata.PartitionedSampler(ds)`` (each node, one share, every epoch).
+
+        ``device="cuda"`` with ``gpu_transform=`` (e.g. ``blobdata.gpu.TrainTransform(224)``) is the GPU
+        path: workers only fetch bytes, and the training process decodes each batch on the GPU
+        (hardware JPEG decoder where there is one, Pillow for what it refuses) and applies
+        ``gpu_transform`` to it on a side CUDA stream, one batch ahead of the loop; batches are
+        ``(images, targets)`` on the device. The dataset must then have no ``transform`` or custom
+        ``loader`` (``target_transform`` still runs in the workers). ``device="cpu"`` runs the same path
+        on the CPU. Needs ``pip install 'blobdata[gpu]'`` for CUDA; see :mod:`blobdata.gpu`.
+        """
+        if isinstance(kwargs.get("sampler"), str):
+            kwargs["sampler"] = _named_sampler(self, kwargs["sampler"], shuffle)
+            shuffle = None
+        # All by keyword: Lightning re-makes a loader from the arguments it was made with, adding its
+        # own sampler= and shuffle=, which must not collide with positional ones.
+        return BlobLoader(
+            self, batch_size=batch_size, shuffle=shuffle, device=device, gpu_transform=gpu_transform, **kwargs
+        )
+
+    def _attach(self, channel: PlanChannel) -> None:
+        """Read the plans of the loader that owns ``channel`` (the latest loader made, in this process)."""
+        self._channel = channel
+        _stats.attach(channel.path)  # this process's counters go to the loader's stats from now on
+
+    def close(self) -> None:
+        """Drop this process's staged data and cache handle (they are recreated on next use)."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.pid == _process.pid():
+            if proc.lookahead is not None:
+                get_loop().call_soon_threadsafe(proc.lookahead.clear)
+            if proc.writer is not None:
+                proc.writer.flush()
+            if proc.cache is not None:
+                proc.cache.close()
+            proc.engine.close()
+
+
+def _named_sampler(ds: BlobDatasetBase, name: str, shuffle: bool | None) -> Any:
+    if name != "partitioned":  # dataloader(sampler="partitioned"): the job's PartitionedSampler, seed 0
+        raise ConfigError(f'sampler= takes a sampler or "partitioned", got {name!r}')
+    from .._sampling import PartitionedSampler
+
+    return PartitionedSampler(ds, shuffle=shuffle is not False)

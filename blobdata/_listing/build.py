@@ -1,0 +1,112 @@
+"""Which objects make which samples of a :class:`~blobdata.BlobDataset`: a listing grouped by the key
+rule, a metadata file's rows, or an index's rows (no listing at all)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from .._config import FetchOptions
+from .._errors import EmptyDatasetError
+from .distributed import shared_manifest
+from .flat import load_or_list_flat
+from .manifest import Manifest
+from .samples import SampleTable, group_listing
+
+__all__ = ["METADATA_NAMES", "build_table"]
+
+logger = logging.getLogger(__name__)
+
+#: Metadata files found by themselves at a dataset's root, in this order of preference.
+METADATA_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
+
+
+@contextlib.contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Millions of rows make millions of small containers, none in a cycle: the cyclic collector, which
+    would scan them all again and again as they pile up, is paused meanwhile (1M rows: 14 s -> 8 s)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def build_table(
+    root: str,
+    *,
+    storage_options: Mapping[str, Any],
+    metadata: str | None,
+    index: str | None,
+    manifest: str | None,
+    refresh: bool,
+    max_age: float | str | None,
+    fetch_options: FetchOptions,
+    share: bool,
+) -> SampleTable:
+    """The samples of the dataset at ``root`` (see :class:`~blobdata.BlobDataset`)."""
+    with _no_cycle_collection():
+        return _build(
+            root, storage_options, metadata, index, manifest, refresh, max_age, fetch_options, share
+        )
+
+
+def _build(
+    root: str,
+    storage_options: Mapping[str, Any],
+    metadata: str | None,
+    index: str | None,
+    manifest: str | None,
+    refresh: bool,
+    max_age: float | str | None,
+    fetch_options: FetchOptions,
+    share: bool,
+) -> SampleTable:
+    from .index import read_index
+    from .metadata import find_metadata, samples_from_metadata
+
+    objects: dict[str, tuple[int, str]] | None = None
+    if index is not None:
+        rows, where = read_index(root, index, storage_options=storage_options)
+        if metadata is None:
+            return _table(root, rows, f"index {index}", where)
+        objects = {m.relkey: (m.size, m.identity) for _, ms, _ in rows for m in ms}
+        listing: Manifest | None = None
+    else:
+        make = functools.partial(
+            load_or_list_flat, root, storage_options=storage_options, refresh=refresh, manifest=manifest,
+            fetch_options=fetch_options, max_age=max_age,
+        )  # fmt: skip
+        listing = shared_manifest(root, make, key="flat") if share else make()
+        relkeys = [listing.relkey(j) for j in range(len(listing))]
+        if metadata is None:
+            metadata = find_metadata(relkeys, METADATA_NAMES)
+        if metadata is None:
+            entries = zip(
+                relkeys,
+                listing.sizes.tolist(),
+                [listing.identity(j) for j in range(len(listing))],
+                strict=True,
+            )
+            grouped, left = group_listing(root, entries)
+            if left:
+                logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
+                            len(left), root, ", ".join(left[:3]))  # fmt: skip
+            return _table(root, grouped, root, "", listing)
+        objects = {rk: (int(listing.sizes[j]), listing.identity(j)) for j, rk in enumerate(relkeys)}
+    samples, where = samples_from_metadata(root, metadata, objects, storage_options=storage_options)
+    return _table(root, samples, f"metadata {metadata}", where, listing)
+
+
+def _table(root: str, samples: Any, source: str, where: str, listing: Manifest | None = None) -> SampleTable:
+    if not samples:
+        raise EmptyDatasetError(f"no sample in {source}: no object with an extension below {root}", url=root)
+    table = SampleTable(root, samples, where=where)
+    table.listing = listing
+    return table

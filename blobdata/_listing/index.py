@@ -1,0 +1,220 @@
+"""Index files instead of a listing: the objects of a dataset named by a table the user already has.
+
+A CSV, JSON Lines or Parquet file with a ``key`` column (relative to the dataset's URL, or a URL below
+it) and optional ``size`` (bytes), ``etag`` (quotes optional) and ``version_id`` columns; every other
+column is a field of the row's sample. Rows are grouped into samples by webdataset's key rule. Or an S3
+Inventory report: its ``manifest.json`` (local or a URL) and the CSV (gzipped, columns named by
+``fileSchema``, keys URL-encoded) or Parquet files it lists in its destination bucket; the rows of the
+dataset's bucket below its prefix are kept. No listing request is made either way.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import re
+import urllib.parse
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from .._errors import ConfigError
+from .._stores import listed_size
+from .._url import parse_url
+from .samples import Member, relative_key, split_key
+from .tables import format_of, place, read_bytes, rows
+
+__all__ = ["read_index"]
+
+Sample = tuple[str, list[Member], dict[str, Any]]
+_KNOWN = frozenset({"key", "size", "etag", "version_id"})
+# What may make a key not a plain relative one (a URL, '..', '//', '/./', a leading '/' or '.', a trailing
+# '/' or '/.', NUL, a backslash): such keys take relative_key's full check.
+_SUSPECT = re.compile(r"://|\.\.|//|/\./|[\x00\\]|^[/.]|/\.?$")
+
+
+def read_index(root: str, index: str, *, storage_options: Mapping[str, Any]) -> tuple[list[Sample], str]:
+    """The samples an index names (see the module docstring), sorted by key, and the template that names
+    a member's row (``"index x.csv line {}"``)."""
+    if index.rstrip("/").endswith("manifest.json"):
+        found: Iterable[tuple[int, dict[str, Any]]] = _inventory(root, index, storage_options)
+        tmpl = f"S3 Inventory {index} row {{}}"
+    else:
+        data = read_bytes(index, storage_options, what="index")
+        fmt = format_of(index)
+        found = rows(index, data, fmt, what="index", keep=_KNOWN)
+        tmpl = place(index, fmt, "index")
+    return _group(root, index, found, tmpl), tmpl
+
+
+def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], tmpl: str) -> list[Sample]:
+    groups: dict[str, tuple[list[Member], dict[str, Any], dict[str, int]]] = {}
+    for n, row in found:
+        value = row.get("key")
+        if isinstance(value, str) and value and _SUSPECT.search(value) is None:
+            rel = value  # a plain relative key (the common case, checked with one search)
+        elif "key" not in row:
+            raise ConfigError(
+                f"{_Where(tmpl, n)} has no 'key' column: an index names each object in a key column",
+                url=index,
+            )
+        else:
+            rel = relative_key(value, root, _Where(tmpl, n), "key")
+        size = -1
+        given = row.get("size")
+        if isinstance(given, str) and given.isdigit() and len(given) < 16:
+            size = int(given)
+        elif given not in (None, ""):
+            try:
+                size = listed_size(given, f"{root}/{rel}")
+            except Exception:
+                raise ConfigError(
+                    f"{_Where(tmpl, n)}: size {row['size']!r} of {root}/{rel} is not a whole number of bytes",
+                    url=index,
+                ) from None
+        etag = row.get("etag")
+        identity = str(etag).strip().strip('"') if etag else ""
+        version = row.get("version_id")
+        if version and identity and str(version).strip() not in ("", "null"):
+            identity = f"{identity}@{str(version).strip()}"
+        split = split_key(rel)
+        if split is None:
+            raise ConfigError(
+                f"{_Where(tmpl, n)}: {rel!r} has no extension, so it belongs to no sample (a sample's key is "
+                "the name up to its first dot, and the member's name the rest)",
+                url=index,
+            )
+        key, name = split
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = ([], {}, {})
+        members, fields, origin = group
+        members.append(Member(rel, size, identity, name, n))
+        if row.keys() <= _KNOWN:
+            continue
+        for column, value in row.items():
+            if column in _KNOWN or value is None:  # an empty cell says nothing
+                continue
+            if column in fields and fields[column] != value:
+                raise ConfigError(
+                    f"{_Where(tmpl, n)} gives {column}={value!r} for sample {key!r}, and "
+                    f"{tmpl.format(origin[column])} gave {fields[column]!r}: rows of one sample must agree",
+                    url=index,
+                )
+            fields[column], origin[column] = value, n
+    if not groups:
+        raise ConfigError(f"index {index} names no object below {root}", url=index)
+    out: list[Sample] = []
+    for key in sorted(groups):
+        members, fields, _ = groups[key]
+        if len(members) > 1:
+            members.sort(key=lambda m: m.name)
+        for a, b in itertools.pairwise(members):
+            if a.name == b.name:
+                what = (
+                    f"name {root}/{a.relkey}"
+                    if a.relkey == b.relkey
+                    else f"give member {a.name!r} of {key!r}"
+                )
+                first, second = sorted((a.where, b.where))
+                raise ConfigError(
+                    f"{tmpl.format(first)} and {tmpl.format(second)} both {what}: one row per object",
+                    url=index,
+                )
+        out.append((key, members, fields))
+    return out
+
+
+# -- S3 Inventory --------------------------------------------------------------------------------
+
+
+class _Where:
+    """A row's place, formatted only when an error names it."""
+
+    __slots__ = ("n", "tmpl")
+
+    def __init__(self, tmpl: str, n: int) -> None:
+        self.tmpl, self.n = tmpl, n
+
+    def __str__(self) -> str:
+        return self.tmpl.format(self.n)
+
+    __format__ = lambda self, spec: str(self)  # noqa: E731
+
+
+def _inventory(
+    root: str, source: str, storage_options: Mapping[str, Any]
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    raw = read_bytes(source, storage_options, what="S3 Inventory manifest")
+    count = 0
+    try:
+        manifest = json.loads(raw)
+        fmt = str(manifest["fileFormat"]).lower()
+        files = [str(f["key"]) for f in manifest["files"]]
+        dest = str(manifest["destinationBucket"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(
+            f"S3 Inventory manifest {source} lacks fileFormat, files or destinationBucket ({exc!r})",
+            url=source,
+        ) from None
+    if fmt not in ("csv", "parquet"):
+        raise ConfigError(
+            f"S3 Inventory {source} is {fmt}: blobdata reads CSV and Parquet reports", url=source
+        )
+    bucket = dest.rpartition(":")[2]  # arn:aws:s3:::bucket
+    url = parse_url(root)
+    want = url.prefix + "/" if url.prefix else ""
+    schema = [c.strip() for c in str(manifest.get("fileSchema", "")).split(",")]
+    for f in files:
+        location = f"s3://{bucket}/{f}"
+        data = read_bytes(location, storage_options, what="S3 Inventory file")
+        if fmt == "csv":
+            got = _inventory_csv(location, data, schema)
+        else:
+            got = (
+                {_snake(k): v for k, v in r.items()}
+                for _, r in rows(location, data, "parquet", what="inventory")
+            )
+        for row in got:
+            key = row.get("key")
+            if row.get("bucket") != url.bucket or not isinstance(key, str) or not key.startswith(want):
+                continue
+            if key.endswith("/"):
+                continue  # a folder marker
+            count += 1
+            yield (
+                count,
+                {
+                    "key": key[len(want) :],
+                    "size": row.get("size"),
+                    "etag": row.get("e_tag") or row.get("etag"),
+                    "version_id": row.get("version_id"),
+                },
+            )
+
+
+def _snake(name: str) -> str:
+    """``ETag`` -> ``e_tag``, ``VersionId`` -> ``version_id``, ``key`` -> ``key`` (Parquet's names)."""
+    out = "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+    return out
+
+
+def _inventory_csv(location: str, data: bytes, schema: list[str]) -> Iterator[dict[str, Any]]:
+    import csv
+    import io
+
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    names = [_snake(c) for c in schema]
+    if "key" not in names:
+        raise ConfigError(
+            f"S3 Inventory file {location}: fileSchema {schema} has no Key column", url=location
+        )
+    reader = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
+    for values in reader:
+        where = f"S3 Inventory file {location} line {reader.line_num}"
+        if len(values) != len(names):
+            raise ConfigError(f"{where} has {len(values)} values, the fileSchema {len(names)}", url=location)
+        row: dict[str, Any] = dict(zip(names, values, strict=True))
+        row["key"] = urllib.parse.unquote_plus(row["key"])  # keys in CSV reports are URL-encoded
+        yield row

@@ -1,0 +1,112 @@
+"""Hugging Face's metadata files as samples: one row, one sample.
+
+``file_name`` names the sample's main object (relative to the dataset's URL); ``<name>_file_name``
+another object, member ``<name>``; ``file_names`` and ``<name>_file_names`` lists of objects, members
+``files`` and ``<name>`` (lists). Every other column is a field of the sample. The sample's key is the
+main object's by webdataset's rule, and its member is named as in a folder (``x.jpg``: ``"jpg"``), so a
+transform reads the same dict whether or not a metadata file is there. A row naming an object that is
+not there, a bad row, an object outside the dataset's URL and two rows for one key are errors naming
+the file and the line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._errors import ConfigError, NotFound
+from .samples import Member, relative_key, split_key
+from .tables import format_of, place, read_bytes, resolve, rows
+
+__all__ = ["find_metadata", "samples_from_metadata"]
+
+Sample = tuple[str, list[Member], dict[str, Any]]
+
+
+def find_metadata(relkeys: Sequence[str], names: Sequence[str]) -> str | None:
+    """The metadata file at the top of a listing (``relkeys``), in the order of ``names``, or None."""
+    present = {k for k in relkeys if "/" not in k}
+    for name in names:
+        if name in present:
+            return name
+    return None
+
+
+def _list(value: Any, where: str, column: str) -> list[Any]:
+    if isinstance(value, str) and value.startswith("["):
+        with contextlib.suppress(ValueError):
+            value = json.loads(value)
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{where}: column {column!r} must be a list of objects, got {value!r}")
+    return list(value)
+
+
+def samples_from_metadata(
+    root: str,
+    metadata: str,
+    objects: Mapping[str, tuple[int, str]],
+    *,
+    storage_options: Mapping[str, Any],
+) -> tuple[list[Sample], str]:
+    """The samples the metadata file ``metadata`` (relative to ``root``, a path or a URL) describes, and
+    the template naming their rows; ``objects``: what exists below ``root`` (key -> (size, identity)),
+    from a listing or an index."""
+    source = resolve(metadata, root)
+    data = read_bytes(source, storage_options, what="metadata")
+    fmt = format_of(source)
+    tmpl = place(source, fmt, "metadata")
+    out: dict[str, tuple[str, Sample]] = {}
+    for n, row in rows(source, data, fmt, what="metadata"):
+        where = tmpl.format(n)
+        members: list[Member] = []
+        fields: dict[str, Any] = {}
+        key: str | None = None
+        for column, value in row.items():
+            if column == "file_name" or column.endswith("_file_name"):
+                if value is None and column != "file_name":
+                    continue
+                rel = relative_key(value, root, where, column)
+                if column == "file_name":
+                    split = split_key(rel)
+                    key, name = split if split is not None else (rel, "file")
+                else:
+                    name = column[: -len("_file_name")]
+                members.append(_member(root, rel, name, where, n, objects))
+            elif column == "file_names" or column.endswith("_file_names"):
+                name = "files" if column == "file_names" else column[: -len("_file_names")]
+                for v in _list(value, where, column) if value is not None else []:
+                    members.append(
+                        _member(root, relative_key(v, root, where, column), name + "[]", where, n, objects)
+                    )
+            else:
+                fields[column] = value
+        if key is None:
+            raise ConfigError(
+                f"{where} has no file_name: each row of a metadata file names its object in a file_name "
+                "column", url=source,
+            )  # fmt: skip
+        if key in out:
+            raise ConfigError(
+                f"{where} and {out[key][0]} both describe sample {key!r}: one row per sample", url=source
+            )
+        out[key] = (where, (key, members, fields))
+    if not out:
+        raise ConfigError(f"metadata {source} has no row", url=source)
+    return [out[k][1] for k in sorted(out)], tmpl
+
+
+def _member(
+    root: str, rel: str, name: str, where: str, n: int, objects: Mapping[str, tuple[int, str]]
+) -> Member:
+    found = objects.get(rel)
+    if found is None:
+        raise NotFound(
+            f"{where} names {root}/{rel}, which does not exist (not in the listing of {root}): fix the row "
+            "or upload the object",
+            url=f"{root}/{rel}",
+        )
+    return Member(rel, found[0], found[1], name, n)
