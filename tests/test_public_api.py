@@ -33,6 +33,7 @@ def test_all_is_sorted_and_exact() -> None:
         "WarmSummary",
         "__version__",
         "list_folder",
+        "sample_rng",
         "warm",
     }
     for name in blobdata.__all__:

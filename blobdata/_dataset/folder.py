@@ -33,6 +33,7 @@ from .._listing import Manifest, listing_params, load_or_list, shared_manifest
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
+from .._sampling import enter_sample, leave_sample
 from .._stores.options import redact, resolve_storage_options
 from .._url import parse_url
 from ..gpu._jpeg import prepare as prepare_raw
@@ -288,8 +289,10 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
         local = path_prefix(m, self._local_root) if self._local_root is not None else None
         decode_aware = hasattr(self.transform, "decode_and_apply")
         raw = self._raw
+        seed = getattr(indices, "seed", None)  # a blobdata loader's batch keys its samples' draws
         for i, data in zip(idx, datas, strict=True):
             url = m.url(i)
+            token = enter_sample(seed, url)  # blobdata.sample_rng() and our transforms draw from it
             try:
                 if isinstance(data, BaseException):
                     raise data
@@ -319,6 +322,8 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
                     raise
                 self._report(url, exc)
                 continue
+            finally:
+                leave_sample(token)
             out.append((sample, url, target) if raw else (sample, target))
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming

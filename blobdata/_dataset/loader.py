@@ -23,7 +23,7 @@ import torch.utils.data
 from .._errors import ConfigError
 from .._fetch import PlanChannel, PlanningBatchSampler
 from .._metrics import LoaderStats, LoopClock, Records, SkipLog, TimedCollate, TimedIter
-from .._sampling import Progress, own_generator
+from .._sampling import Progress, loader_seed, own_generator
 from ..gpu._pipeline import DevicePipeline, collate_raw
 
 __all__ = ["BlobLoader"]
@@ -113,7 +113,12 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
             batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
         self.channel = PlanChannel()
         attach(self.channel)
-        self.progress = Progress(sampler, batch_size)
+        # The augmentation's seed: with the epoch and each sample's URL, it keys every random draw of
+        # blobdata's transforms (and sample_rng()) on the CPU path, and the GPU path's boxes.
+        seed = loader_seed(generator, sampler)
+        if self.device_pipeline is not None:
+            self.device_pipeline.seed = seed
+        self.progress = Progress(sampler, batch_size, seed)
         # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
         # is what tools that rebuild a loader know how to re-make with another sampler.
         self._planner = PlanningBatchSampler(batches, self.channel, self.progress)
@@ -206,6 +211,8 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         already yielded (which are not fetched again). At another world size the sampler must be an
         :class:`~blobdata.ElasticDistributedSampler`."""
         self.progress.load_state_dict(state)
+        if self.device_pipeline is not None and self.progress.seed is not None:
+            self.device_pipeline.seed = self.progress.seed
 
 
 def _present(batches: Iterator[Any]) -> Iterator[Any]:

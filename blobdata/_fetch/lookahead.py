@@ -27,7 +27,9 @@ import numpy as np
 from .. import _process
 from .._node import owners as _owners
 
-__all__ = ["LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels"]
+__all__ = [
+    "KeyedBatch", "LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels",
+]  # fmt: skip
 
 
 class Plan:
@@ -173,6 +175,20 @@ class PlanChannel:
         return self._cached
 
 
+class KeyedBatch(list[int]):
+    """A batch's indices, with the seed its samples' augmentation draws are keyed by (the loader's
+    seed mixed with the epoch; see :mod:`blobdata._sampling.rng`). DataLoader hands the batch
+    sampler's lists as they are to the dataset's ``__getitems__`` (pickled to a worker), so the seed
+    travels with the very batch it belongs to, whichever worker serves it."""
+
+    def __init__(self, indices: Sequence[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KeyedBatch, (list(self), self.seed))
+
+
 class PlanningBatchSampler:
     """Wraps a batch sampler; each ``iter()`` publishes the epoch's batches before yielding them.
 
@@ -190,7 +206,12 @@ class PlanningBatchSampler:
         # DataLoader (which draws its worker base seed from the generator between iter() and
         # next()), so a seeded generator gives exactly the plain DataLoader's order.
         skip = self.progress.begin() if self.progress is not None else 0
-        batches = [list(b) for b in self.batch_sampler][skip:]
+        seed = self.progress.sample_seed() if self.progress is not None else None
+        batches: Sequence[list[int]]
+        if seed is None:
+            batches = [list(b) for b in self.batch_sampler][skip:]
+        else:
+            batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
         self.channel.publish(batches)
         yield from batches
 

@@ -7,6 +7,7 @@ module             its one job
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
 ``resume``         the loader's position (``state_dict``), elastic resume at another world size
+``rng``            augmentation draws keyed by (loader seed, epoch, sample URL); ``sample_rng()``
 =================  ==========================================================================
 
 The samplers need torch: they are imported on first use, so the command line's ``warm`` and
@@ -17,6 +18,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .rng import SampleDraws, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
+from .rng import current as current_sample
+from .rng import enter as enter_sample
+from .rng import leave as leave_sample
 from .shares import Layout, canonical_nodes, epoch_orders, fixed_order, node_share, rank_stream
 
 if TYPE_CHECKING:
@@ -29,13 +34,22 @@ __all__ = [
     "Layout",
     "PartitionedSampler",
     "Progress",
+    "SampleDraws",
     "canonical_nodes",
+    "current_sample",
+    "enter_sample",
     "epoch_orders",
+    "epoch_seed",
     "epoch_share",
     "fixed_order",
+    "leave_sample",
+    "loader_seed",
     "node_share",
     "own_generator",
     "rank_stream",
+    "sample_key",
+    "sample_rng",
+    "uniforms",
 ]
 
 

@@ -35,6 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .._errors import ConfigError
 from .._listing import dist_info
 from .partition import PartitionedSampler
+from .rng import epoch_seed
 
 __all__ = ["STATE_VERSION", "ElasticDistributedSampler", "Progress", "node_share", "own_generator"]
 
@@ -158,9 +159,10 @@ def capture(sampler: Any) -> dict[str, Any]:
 class Progress:
     """Where one loader stands; see the module docstring. Lives in the main process only."""
 
-    def __init__(self, sampler: Any, batch_size: int | None) -> None:
+    def __init__(self, sampler: Any, batch_size: int | None, seed: int | None = None) -> None:
         self.sampler = sampler
         self.batch_size = batch_size
+        self.seed = seed  # the augmentation's (blobdata._sampling.rng); None: not keyed
         self.epoch = -1  # epochs begun, minus one
         self.batches = 0  # batches yielded in the current epoch, those skipped on resume included
         self.complete = True
@@ -194,6 +196,10 @@ class Progress:
         self._start = capture(self.sampler)
         self.batches, self.complete = skip + self._resumed, False
         return skip
+
+    def sample_seed(self) -> int | None:
+        """The seed the current epoch's augmentation draws are keyed by (with each sample's URL)."""
+        return None if self.seed is None else epoch_seed(self.seed, self.epoch)
 
     def resumed_batches(self) -> int:
         """Batches of the current epoch an elastic or partitioned sampler leaves out (``len()``
@@ -237,6 +243,7 @@ class Progress:
             "batch_size": self.batch_size,
             "world_size": self.world_size(),
             "sampler": sampler,
+            "seed": self.seed,  # the augmentation's: a resumed run draws the same crops
         }
 
     def load_state_dict(self, state: Any) -> None:
@@ -286,6 +293,8 @@ class Progress:
                 )
         if kind == "generator" and complete:
             self.sampler.generator.set_state(_decode(saved["state"]))
+        if state.get("seed") is not None:
+            self.seed = int(state["seed"])
         self.epoch = epoch
         self.batches, self.complete = 0, True
         self._start = self._at_iter = None
