@@ -29,7 +29,7 @@ from ._errors import (
 from ._listing import Manifest
 from ._listing import load_or_list as list_folder
 from ._metrics import LoaderStats
-from ._sampling import sample_rng
+from ._sampling import compare_runs, sample_rng
 
 if _TYPE_CHECKING:
     from ._dataset import BlobLoader, FolderDataset
@@ -82,6 +82,7 @@ __all__ = [
     "Throttled",
     "WarmSummary",
     "__version__",
+    "compare_runs",
     "list_folder",
     "sample_rng",
     "warm",

@@ -32,6 +32,7 @@ def test_all_is_sorted_and_exact() -> None:
         "Throttled",
         "WarmSummary",
         "__version__",
+        "compare_runs",
         "list_folder",
         "sample_rng",
         "warm",

@@ -213,6 +213,8 @@ class PlanningBatchSampler:
         else:
             batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
         self.channel.publish(batches)
+        if self.progress is not None:
+            self.progress.planned(batches)
         yield from batches
 
     def __len__(self) -> int:

@@ -7,6 +7,7 @@ module             its one job
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
 ``resume``         the loader's position (``state_dict``), elastic resume at another world size
+``identity``       what makes a state this run's; a digest of the indices served (``compare_runs``)
 ``rng``            augmentation draws keyed by (loader seed, epoch, sample URL); ``sample_rng()``
 =================  ==========================================================================
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .identity import ServedDigest, compare_runs, listing_digest, run_identity
 from .rng import SampleDraws, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
 from .rng import current as current_sample
 from .rng import enter as enter_sample
@@ -35,7 +37,9 @@ __all__ = [
     "PartitionedSampler",
     "Progress",
     "SampleDraws",
+    "ServedDigest",
     "canonical_nodes",
+    "compare_runs",
     "current_sample",
     "enter_sample",
     "epoch_orders",
@@ -43,10 +47,12 @@ __all__ = [
     "epoch_share",
     "fixed_order",
     "leave_sample",
+    "listing_digest",
     "loader_seed",
     "node_share",
     "own_generator",
     "rank_stream",
+    "run_identity",
     "sample_key",
     "sample_rng",
     "uniforms",
