@@ -24,7 +24,7 @@ import torch.utils.data
 from .._errors import ConfigError
 from .._fetch import PlanChannel, PlanningBatchSampler
 from .._metrics import LoaderStats, LoopClock, Records, SkipLog, TimedCollate, TimedIter
-from .._sampling import Progress, loader_seed, own_generator, run_identity
+from .._sampling import NextEpoch, Progress, loader_seed, own_generator, run_identity
 from ..gpu._pipeline import DevicePipeline, collate_raw
 
 __all__ = ["BlobLoader"]
@@ -124,7 +124,11 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         )
         # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
         # is what tools that rebuild a loader know how to re-make with another sampler.
-        self._planner = PlanningBatchSampler(batches, self.channel, self.progress)
+        self._planner = PlanningBatchSampler(
+            batches, self.channel, self.progress, next_epoch=NextEpoch().batches
+        )
+        # Persistent workers outlive the epoch: their look-ahead runs on into the next one.
+        self._planner.across_epochs = bool(persistent_workers and num_workers > 0)
         super().__init__(
             dataset,
             batch_sampler=batches,

@@ -33,13 +33,18 @@ __all__ = [
 
 
 class Plan:
-    """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``."""
+    """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``.
+    ``next``: the next epoch's batches where they are known before it begins (persistent workers)."""
 
-    def __init__(self, seq: int, flat: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(self, seq: int, flat: np.ndarray, offsets: np.ndarray, next: Plan | None = None) -> None:
         self.seq = seq
         self.flat = flat
         self.offsets = offsets
+        self.next = next
         self._pos: np.ndarray | None = None
+
+    def same_batches(self, other: Plan) -> bool:
+        return np.array_equal(self.offsets, other.offsets) and np.array_equal(self.flat, other.flat)
 
     @property
     def num_batches(self) -> int:
@@ -136,21 +141,27 @@ class PlanChannel:
     def __reduce__(self) -> tuple[Any, ...]:
         return (PlanChannel, (self.path,))
 
-    def publish(self, batches: Sequence[Sequence[int]]) -> Plan:
-        """Write one epoch's plan atomically; workers pick it up on their next batch."""
-        lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-        offsets = np.zeros(len(batches) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
+    def publish(
+        self, batches: Sequence[Sequence[int]], next_batches: Sequence[Sequence[int]] | None = None
+    ) -> Plan:
+        """Write one epoch's plan (and the next epoch's batches, where known) atomically; workers pick
+        it up on their next batch."""
+        offsets, flat = _pack(batches)
         self._seq += 1
         seq = self._seq
-        blob = np.concatenate([np.array([seq, len(batches)], dtype=np.int64), offsets, flat])
+        parts = [np.array([seq, len(batches)], dtype=np.int64), offsets, flat]
+        nxt = None
+        if next_batches is not None:
+            next_offsets, next_flat = _pack(next_batches)
+            parts += [np.array([len(next_batches)], dtype=np.int64), next_offsets, next_flat]
+            nxt = Plan(-seq, next_flat, next_offsets)
+        blob = np.concatenate(parts)
         target = os.path.join(self.path, "plan.npy")
         tmp = os.path.join(self.path, f".plan-{seq}-{uuid.uuid4().hex}.tmp")
         with open(tmp, "wb") as fh:
             np.save(fh, blob, allow_pickle=False)
         os.replace(tmp, target)
-        plan = Plan(seq, flat, offsets)
+        plan = Plan(seq, flat, offsets, nxt)
         self._cached = plan
         return plan
 
@@ -166,13 +177,38 @@ class PlanChannel:
         if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 3:
             return self._cached
         seq, nb = int(blob[0]), int(blob[1])
-        offsets = blob[2 : nb + 3]
-        flat = blob[nb + 3 :]
-        if len(offsets) != nb + 1 or int(offsets[-1]) != len(flat):
+        got = _unpack(blob, 2, nb)
+        if got is None:
             return self._cached
+        offsets, flat, end = got
+        nxt = None
+        if end < len(blob):  # the next epoch's batches follow
+            more = _unpack(blob, end + 1, int(blob[end]))
+            if more is None or more[2] != len(blob):
+                return self._cached
+            nxt = Plan(-seq, more[1], more[0])
         if self._cached is None or self._cached.seq != seq:
-            self._cached = Plan(seq, flat, offsets)
+            self._cached = Plan(seq, flat, offsets, nxt)
         return self._cached
+
+
+def _pack(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    offsets = np.zeros(len(batches) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
+    return offsets, flat
+
+
+def _unpack(blob: np.ndarray, at: int, nb: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(offsets, flat, end) of the ``nb`` batches packed at ``blob[at:]``; None if malformed."""
+    offsets = blob[at : at + nb + 1]
+    if nb < 0 or len(offsets) != nb + 1 or offsets[0] != 0:
+        return None
+    end = at + nb + 1 + int(offsets[-1])
+    if end > len(blob) or np.any(np.diff(offsets) < 0):
+        return None
+    return offsets, blob[at + nb + 1 : end], end
 
 
 class KeyedBatch(list[int]):
@@ -196,10 +232,20 @@ class PlanningBatchSampler:
     ``DistributedSampler`` after ``set_epoch``): this only observes it.
     """
 
-    def __init__(self, batch_sampler: Any, channel: PlanChannel, progress: Any = None) -> None:
+    def __init__(
+        self,
+        batch_sampler: Any,
+        channel: PlanChannel,
+        progress: Any = None,
+        next_epoch: Callable[[Any], Sequence[Sequence[int]] | None] | None = None,
+    ) -> None:
         self.batch_sampler = batch_sampler
         self.channel = channel
         self.progress = progress  # a resumed epoch drops its first batches before they are planned
+        # The next epoch's batches from the batch sampler, where they can be known; published with
+        # the epoch's when `across_epochs` (persistent workers: look-ahead runs across the boundary).
+        self.next_epoch = next_epoch
+        self.across_epochs = False
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
@@ -212,7 +258,10 @@ class PlanningBatchSampler:
             batches = [list(b) for b in self.batch_sampler][skip:]
         else:
             batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
-        self.channel.publish(batches)
+        upcoming = None
+        if self.across_epochs and self.next_epoch is not None:
+            upcoming = self.next_epoch(self.batch_sampler)
+        self.channel.publish(batches, upcoming)
         if self.progress is not None:
             self.progress.planned(batches)
         yield from batches
@@ -224,7 +273,7 @@ class PlanningBatchSampler:
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.
-        if name in ("batch_sampler", "channel", "progress"):
+        if name in ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs"):
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 
@@ -306,6 +355,12 @@ class LookAhead:
     ``stride``-th batch: the DataLoader deals batches round-robin to its workers). Each epoch starts
     two batches ahead and doubles per batch up to ``max_items`` samples, so that the first batch does
     not wait behind a burst of requests.
+
+    Where the plan carries the next epoch's batches (persistent workers), staging goes on past the
+    epoch's end into this process's first two batches of the next epoch (a persistent DataLoader
+    deals each epoch from worker 0 again), within the same bounds; when that epoch's plan arrives and
+    is the one announced, what was staged is kept and the ramp goes on from there: the next epoch's
+    first batches do not wait for their fetches.
     """
 
     def __init__(
@@ -318,6 +373,7 @@ class LookAhead:
     ) -> None:
         self.stager = Stager(fetch, size_of, max_items=max_items, max_bytes=max_bytes)
         self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
+        self._plan: Plan | None = None
         self._ramp = 0  # batches served this epoch, up to where the depth is full
 
     def take(self, index: int) -> asyncio.Task[bytes] | None:
@@ -336,10 +392,16 @@ class LookAhead:
         stager = self.stager
         if self._plan_key != (channel.path, plan.seq):
             # A new epoch, or a new loader (whose channel numbers its plans from 1 again): what was
-            # staged for the old order is useless.
-            stager.clear()
+            # staged for the old order is useless, unless it was staged for this very order.
+            prev = self._plan
+            announced = prev is not None and prev.next is not None and prev.next.same_batches(plan)
+            if not (announced and self._plan_key is not None and self._plan_key[0] == channel.path):
+                stager.clear()
+                self._ramp = 0
+            else:  # its first two batches are staged: the ramp goes on from there
+                self._ramp = min(self._ramp, 1)
             self._plan_key = (channel.path, plan.seq)
-            self._ramp = 0
+            self._plan = plan
         depth = min(stager.max_items, max(len(indices), 1) << (self._ramp + 1))
         if depth < stager.max_items:
             self._ramp += 1
@@ -348,6 +410,13 @@ class LookAhead:
         while nxt < plan.num_batches and len(ahead) < depth:
             ahead.extend(plan.batch(nxt).tolist())
             nxt += stride
+        upcoming = plan.next
+        if upcoming is not None:  # across the epoch's end: this process's first two batches of the next
+            # (the ramp's start: a whole epoch staged at once would make its first batch wait for all)
+            nxt, limit = k % stride, min(depth, len(ahead) + 2 * max(len(indices), 1))
+            while nxt < upcoming.num_batches and len(ahead) < limit:
+                ahead.extend(upcoming.batch(nxt).tolist())
+                nxt += stride
         stager.schedule(ahead)
 
     def clear(self) -> None:

@@ -7,6 +7,7 @@ module             its one job
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
 ``resume``         the loader's position (``state_dict``), elastic resume at another world size
+``peek``           the next epoch's batches before it begins (look-ahead across epochs)
 ``identity``       what makes a state this run's; a digest of the indices served (``compare_runs``)
 ``rng``            augmentation draws keyed by (loader seed, epoch, sample URL); ``sample_rng()``
 =================  ==========================================================================
@@ -28,12 +29,14 @@ from .shares import Layout, canonical_nodes, epoch_orders, fixed_order, node_sha
 
 if TYPE_CHECKING:
     from .partition import PartitionedSampler
+    from .peek import NextEpoch
     from .resume import ElasticDistributedSampler, Progress, own_generator
     from .resume import node_share as epoch_share
 
 __all__ = [
     "ElasticDistributedSampler",
     "Layout",
+    "NextEpoch",
     "PartitionedSampler",
     "Progress",
     "SampleDraws",
@@ -60,6 +63,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
+    if name == "NextEpoch":
+        from .peek import NextEpoch
+
+        return NextEpoch
     if name == "PartitionedSampler":
         from .partition import PartitionedSampler
 
