@@ -25,6 +25,7 @@ from __future__ import annotations
 import io
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -143,10 +144,37 @@ class RandomResizedCrop:
         """The box and flip of the sample being transformed: keyed when a loader keys it."""
         draws = current_sample() if self.generator is None else None
         if draws is not None and draws.keyed:
-            boxes, flips = self.keyed_params(np.array([[height, width]]), draws.uniforms(self.DRAWS)[None])
-            top, left, h, w = boxes[0].tolist()
-            return (top, left, h, w), bool(flips[0])
+            return self._keyed(width, height, draws.stream(self.DRAWS))
         return self.params(width, height), self._flip()
+
+    def _keyed(
+        self, width: int, height: int, u: Callable[[int], float]
+    ) -> tuple[tuple[int, int, int, int], bool]:
+        """:meth:`keyed_params` for one image, in plain Python (a few of the uniforms are drawn, not
+        all 41): the same box and flip, at a fifth of the numpy version's time for one image."""
+        area = height * width
+        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        for a in range(_ATTEMPTS):
+            target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u(a))
+            aspect = math.exp(lo + (hi - lo) * u(_ATTEMPTS + a))
+            w = round(math.sqrt(target * aspect))  # round half to even, as numpy's rint
+            h = round(math.sqrt(target / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                top = math.floor(u(2 * _ATTEMPTS + a) * (height - h + 1))
+                left = math.floor(u(3 * _ATTEMPTS + a) * (width - w + 1))
+                return (top, left, h, w), u(4 * _ATTEMPTS) < self.flip
+        return self._central(width, height), u(4 * _ATTEMPTS) < self.flip
+
+    def _central(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """The fallback box: the central crop of the nearest allowed aspect ratio."""
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            w, h = width, round(width / self.ratio[0])
+        elif in_ratio > self.ratio[1]:
+            h, w = height, round(height * self.ratio[1])
+        else:
+            w, h = width, height
+        return (height - h) // 2, (width - w) // 2, h, w
 
     def params(self, width: int, height: int) -> tuple[int, int, int, int]:
         """A crop box ``(top, left, height, width)`` for an image of ``width`` x ``height`` pixels, drawn
@@ -163,14 +191,7 @@ class RandomResizedCrop:
                 top = int(torch.randint(0, height - h + 1, size=(1,), generator=g).item())
                 left = int(torch.randint(0, width - w + 1, size=(1,), generator=g).item())
                 return top, left, h, w
-        in_ratio = width / height  # fallback: the central crop of the nearest allowed ratio
-        if in_ratio < self.ratio[0]:
-            w, h = width, round(width / self.ratio[0])
-        elif in_ratio > self.ratio[1]:
-            h, w = height, round(height * self.ratio[1])
-        else:
-            w, h = width, height
-        return (height - h) // 2, (width - w) // 2, h, w
+        return self._central(width, height)
 
     def _flip(self) -> bool:
         return bool(self.flip > 0 and torch.rand(1, generator=self.generator).item() < self.flip)

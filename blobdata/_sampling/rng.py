@@ -17,6 +17,7 @@ transforms get the same through :func:`sample_rng`.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -33,6 +34,7 @@ __all__ = [
 ]  # fmt: skip
 
 _MASK = (1 << 64) - 1
+_UNIT = 1.0 / (1 << 53)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 # Stream numbers of the generators sample_rng() gives, apart from the crop's counter stream.
 _NUMPY_STREAM, _TORCH_STREAM = 1, 2
@@ -63,6 +65,15 @@ def uniforms(seed: int, keys: np.ndarray, count: int, start: int = 0) -> np.ndar
     bits = _mix(base[:, None] + steps[None, :]) >> np.uint64(11)
     out: np.ndarray = bits.astype(np.float64) * (1.0 / (1 << 53))
     return out
+
+
+def _mix_int(x: int) -> int:
+    """:func:`_mix` on one Python int (the same bits)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
 
 
 def loader_seed(generator: torch.Generator | None, sampler: Any = None) -> int:
@@ -125,6 +136,22 @@ class SampleDraws:
 
             return int(torch.empty((), dtype=torch.int64).random_().item()) & _MASK
         return _seed_of(self.seed, self.key, stream)
+
+    def stream(self, count: int) -> Callable[[int], float]:
+        """The next ``count`` counter-based uniforms of this sample, each computed when asked for
+        (``u(i)``, ``0 <= i < count``): position for position the values :meth:`uniforms` gives, at a
+        microsecond each where a transform needs only a few of them."""
+        if self.seed is None:
+            raise ConfigError("SampleDraws.stream: not a keyed sample (no loader's seed)")
+        base = _mix_int((self.seed & _MASK) ^ _mix_int(self.key))
+        start = self.position
+        self.position += count
+        golden = int(_GOLDEN)
+
+        def u(i: int) -> float:
+            return (_mix_int((base + golden * (start + i + 1)) & _MASK) >> 11) * _UNIT
+
+        return u
 
     def numpy(self) -> np.random.Generator:
         if self._numpy is None:
