@@ -7,7 +7,10 @@ bytes). For each epoch after the first: the gap between the last batch of the pr
 the first of this one, the epoch's mean time per batch (its wall time, the gap included, over its
 batches) and their ratio. Run with the look-ahead stopping at each epoch's end ("per epoch": the
 next epoch's plan published when it begins) and running across the boundary ("across epochs": the
-next epoch's order published early to persistent workers), one after the other, same data.
+next epoch's order published early to persistent workers), one after the other, same data; and, for
+the floor, with no round trip at all ("no RTT"): what remains there is the DataLoader's own pipeline
+at an epoch's start (the reset of its workers, then one worker's whole batch before the first
+arrives, about ``workers`` x the mean per batch when the workers are busy).
 
     python benchmarks/bench_epoch_gap.py [--images 768] [--batch 32] [--workers 2] [--epochs 3] [--rtt 0.05]
 """
@@ -88,7 +91,9 @@ def main() -> None:
     objects = [(f"ds/c{i % 10:02d}/{i:06d}.jpg", synthetic_jpeg(rng, min_side=200, max_side=400))
                for i in range(args.images)]  # fmt: skip
     total = sum(len(b) for _, b in objects)
-    results: dict[str, list[list[tuple[float, float, float, int]]]] = {"per epoch": [], "across epochs": []}
+    results: dict[str, list[list[tuple[float, float, float, int]]]] = {
+        "per epoch": [], "across epochs": [], "no RTT": []
+    }  # fmt: skip
     with LocalS3Server() as server:
         client = s3_client(server)
         client.create_bucket(Bucket="gap")
@@ -96,9 +101,11 @@ def main() -> None:
         host, port = server.endpoint_url.split("://")[1].split(":")
         with LatencyProxy(host, int(port), delay_s=args.rtt / 2, count_requests=False) as proxy:
             opts = {**server.storage_options, "endpoint_url": proxy.endpoint_url}
+            direct = server.storage_options
             for _ in range(args.repeat):
-                for name, across in (("per epoch", False), ("across epochs", True)):
-                    results[name].append(summary(*run("s3://gap/ds", opts, args, across)))
+                for name, across in (("per epoch", False), ("across epochs", True), ("no RTT", True)):
+                    where = direct if name == "no RTT" else opts
+                    results[name].append(summary(*run("s3://gap/ds", where, args, across)))
     print(
         f"{args.images} JPEGs ({total / 1e6:.1f} MB), batch {args.batch}, {args.workers} persistent workers, "
         f"RTT {args.rtt * 1e3:.0f} ms, no cache, transform {args.transform}"
