@@ -112,7 +112,9 @@ class FolderDataset(ImageFolderContract, torch.utils.data.Dataset[Any]):
     ``root`` is any supported URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://`` or a local
     path). ``transform``, ``target_transform``, ``loader``, ``extensions``, ``is_valid_file`` and
     ``allow_empty`` behave as in ImageFolder; ``loader`` receives a binary file object holding the
-    object's bytes (``name`` is its URL) instead of a path. Keyword-only settings:
+    object's bytes (``name`` is its URL) instead of a path. Read through :meth:`dataloader`, a
+    transform's random draws can be keyed by (loader seed, epoch, URL): :func:`blobdata.sample_rng`.
+    Keyword-only settings:
 
     storage_options:  fsspec options of the backend (endpoint, credentials); the environment's usual
                       variables apply where these are silent.
