@@ -84,7 +84,10 @@ def test_next_epoch_predicts_without_changing_the_sampler(folder: Path) -> None:
     first = list(batches)
     peek = NextEpoch()
     state = gen.get_state()
-    guess = peek.batches(batches)
+    make = peek.prepare(batches)
+    assert make is not None
+    assert torch.equal(gen.get_state(), state)  # a copy of the state: it may run in a thread
+    guess = make()
     assert torch.equal(gen.get_state(), state)
     assert guess == list(batches) != first
     assert NextEpoch().batches(BatchSampler(SequentialSampler(ds), 5, False)) == [
@@ -105,10 +108,16 @@ def test_next_epoch_predicts_without_changing_the_sampler(folder: Path) -> None:
 
 def test_a_plan_carries_the_next_epoch_to_other_processes() -> None:
     channel = PlanChannel()
-    channel.publish([[3, 1], [2]], [[0], [1, 2, 3]])
-    plan = PlanChannel(channel.path).current()
-    assert plan is not None and plan.next is not None
-    assert plan.batch(1).tolist() == [2] and plan.next.batch(1).tolist() == [1, 2, 3]
+    plan = channel.publish([[3, 1], [2]])
+    worker = PlanChannel(channel.path)
+    seen = worker.current()
+    assert seen is not None and worker.next_of(seen) is None  # not announced yet
+    channel.publish_next(plan.seq + 7, [[9]])  # another plan's: not this one's next
+    assert worker.next_of(seen) is None
+    channel.publish_next(plan.seq, [[0], [1, 2, 3]])
+    upcoming = worker.next_of(seen)
+    assert upcoming is not None and upcoming.batch(1).tolist() == [1, 2, 3]
     channel.publish([[0], [1, 2, 3]])
-    again = PlanChannel(channel.path).current()
-    assert again is not None and again.next is None and plan.next.same_batches(again)
+    again = worker.current(reload=True)
+    assert again is not None and again.seq == plan.seq + 1 and upcoming.same_batches(again)
+    assert worker.next_of(again) is None

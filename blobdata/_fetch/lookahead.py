@@ -14,9 +14,11 @@ sampler blobdata did not see), nothing is staged and batches are still fetched a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -26,6 +28,8 @@ import numpy as np
 
 from .. import _process
 from .._node import owners as _owners
+
+log = logging.getLogger("blobdata")
 
 __all__ = [
     "KeyedBatch", "LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels",
@@ -141,54 +145,56 @@ class PlanChannel:
     def __reduce__(self) -> tuple[Any, ...]:
         return (PlanChannel, (self.path,))
 
-    def publish(
-        self, batches: Sequence[Sequence[int]], next_batches: Sequence[Sequence[int]] | None = None
-    ) -> Plan:
-        """Write one epoch's plan (and the next epoch's batches, where known) atomically; workers pick
-        it up on their next batch."""
+    def publish(self, batches: Sequence[Sequence[int]]) -> Plan:
+        """Write one epoch's plan atomically; workers pick it up on their next batch."""
         offsets, flat = _pack(batches)
         self._seq += 1
         seq = self._seq
-        parts = [np.array([seq, len(batches)], dtype=np.int64), offsets, flat]
-        nxt = None
-        if next_batches is not None:
-            next_offsets, next_flat = _pack(next_batches)
-            parts += [np.array([len(next_batches)], dtype=np.int64), next_offsets, next_flat]
-            nxt = Plan(-seq, next_flat, next_offsets)
-        blob = np.concatenate(parts)
-        target = os.path.join(self.path, "plan.npy")
-        tmp = os.path.join(self.path, f".plan-{seq}-{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as fh:
-            np.save(fh, blob, allow_pickle=False)
-        os.replace(tmp, target)
-        plan = Plan(seq, flat, offsets, nxt)
+        self._write("plan.npy", _blob(seq, offsets, flat))
+        plan = Plan(seq, flat, offsets)
         self._cached = plan
         return plan
+
+    def publish_next(self, seq: int, batches: Sequence[Sequence[int]]) -> None:
+        """Write the batches of the epoch after plan ``seq`` (where they are known before it begins);
+        workers read them when their look-ahead reaches plan ``seq``'s end (:meth:`next_of`)."""
+        offsets, flat = _pack(batches)
+        self._write("next.npy", _blob(seq, offsets, flat))
+
+    def next_of(self, plan: Plan) -> Plan | None:
+        """The next epoch's batches announced for ``plan``, read once published; None until then."""
+        if plan.next is None:
+            got = self._read("next.npy")
+            if got is not None and got.seq == plan.seq:
+                plan.next = Plan(-plan.seq, got.flat, got.offsets)
+        return plan.next
+
+    def _write(self, name: str, blob: np.ndarray) -> None:
+        tmp = os.path.join(self.path, f".{name}-{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as fh:
+            np.save(fh, blob, allow_pickle=False)
+        os.replace(tmp, os.path.join(self.path, name))
+
+    def _read(self, name: str) -> Plan | None:
+        try:
+            with open(os.path.join(self.path, name), "rb") as fh:
+                blob = np.load(fh, allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 3:
+            return None
+        got = _unpack(blob, 2, int(blob[1]))
+        if got is None or got[2] != len(blob):
+            return None
+        return Plan(int(blob[0]), got[1], got[0])
 
     def current(self, *, reload: bool = False) -> Plan | None:
         """The latest plan (cached in this process until ``reload``); None if none was published."""
         if self._cached is not None and not reload:
             return self._cached
-        try:
-            with open(os.path.join(self.path, "plan.npy"), "rb") as fh:
-                blob = np.load(fh, allow_pickle=False)
-        except (OSError, ValueError):
-            return self._cached
-        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 3:
-            return self._cached
-        seq, nb = int(blob[0]), int(blob[1])
-        got = _unpack(blob, 2, nb)
-        if got is None:
-            return self._cached
-        offsets, flat, end = got
-        nxt = None
-        if end < len(blob):  # the next epoch's batches follow
-            more = _unpack(blob, end + 1, int(blob[end]))
-            if more is None or more[2] != len(blob):
-                return self._cached
-            nxt = Plan(-seq, more[1], more[0])
-        if self._cached is None or self._cached.seq != seq:
-            self._cached = Plan(seq, flat, offsets, nxt)
+        got = self._read("plan.npy")
+        if got is not None and (self._cached is None or self._cached.seq != got.seq):
+            self._cached = got
         return self._cached
 
 
@@ -198,6 +204,10 @@ def _pack(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum(lengths, out=offsets[1:])
     flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
     return offsets, flat
+
+
+def _blob(seq: int, offsets: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.array([seq, len(offsets) - 1], dtype=np.int64), offsets, flat])
 
 
 def _unpack(blob: np.ndarray, at: int, nb: int) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -237,13 +247,14 @@ class PlanningBatchSampler:
         batch_sampler: Any,
         channel: PlanChannel,
         progress: Any = None,
-        next_epoch: Callable[[Any], Sequence[Sequence[int]] | None] | None = None,
+        next_epoch: Callable[[Any], Callable[[], Sequence[Sequence[int]]] | None] | None = None,
     ) -> None:
         self.batch_sampler = batch_sampler
         self.channel = channel
         self.progress = progress  # a resumed epoch drops its first batches before they are planned
-        # The next epoch's batches from the batch sampler, where they can be known; published with
-        # the epoch's when `across_epochs` (persistent workers: look-ahead runs across the boundary).
+        # Prepares the next epoch's batches from the batch sampler, where they can be known: with
+        # `across_epochs` (persistent workers) they are computed in a thread and published during the
+        # epoch, so that the look-ahead runs across its end.
         self.next_epoch = next_epoch
         self.across_epochs = False
 
@@ -258,12 +269,12 @@ class PlanningBatchSampler:
             batches = [list(b) for b in self.batch_sampler][skip:]
         else:
             batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
-        upcoming = None
-        if self.across_epochs and self.next_epoch is not None:
-            upcoming = self.next_epoch(self.batch_sampler)
-        self.channel.publish(batches, upcoming)
+        plan = self.channel.publish(batches)
         if self.progress is not None:
             self.progress.planned(batches)
+        make = self.next_epoch(self.batch_sampler) if self.across_epochs and self.next_epoch else None
+        if make is not None:  # off the epoch's start: as long as planning it (a second for ImageNet)
+            threading.Thread(target=_announce, args=(self.channel, plan.seq, make), daemon=True).start()
         yield from batches
 
     def __len__(self) -> int:
@@ -276,6 +287,13 @@ class PlanningBatchSampler:
         if name in ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs"):
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
+
+
+def _announce(channel: PlanChannel, seq: int, make: Callable[[], Sequence[Sequence[int]]]) -> None:
+    try:
+        channel.publish_next(seq, make())
+    except Exception:  # a prediction is an optimisation: the epoch's own plan is the truth
+        log.debug("blobdata: the next epoch's order could not be announced", exc_info=True)
 
 
 def _consume(task: asyncio.Task[bytes]) -> None:
@@ -410,7 +428,7 @@ class LookAhead:
         while nxt < plan.num_batches and len(ahead) < depth:
             ahead.extend(plan.batch(nxt).tolist())
             nxt += stride
-        upcoming = plan.next
+        upcoming = channel.next_of(plan) if nxt >= plan.num_batches and len(ahead) < depth else None
         if upcoming is not None:  # across the epoch's end: this process's first two batches of the next
             # (the ramp's start: a whole epoch staged at once would make its first batch wait for all)
             nxt, limit = k % stride, min(depth, len(ahead) + 2 * max(len(indices), 1))

@@ -5,12 +5,16 @@ Only for samplers whose next order is a function of state blobdata can read with
 ``SequentialSampler`` (the same order), ``RandomSampler`` with a generator (the order it will draw
 from the generator's current state, which is restored), and ``DistributedSampler`` and its
 subclasses (the order of the next epoch number, ``set_epoch`` being the user's: the step between
-the last two epochs seen is assumed again, 1 at first). A wrong guess costs fetches (bounded by the
+the last two epochs seen is assumed again, 1 at first). It works on a copy of the sampler, so the
+prediction (about as long as an epoch's planning: a second for ImageNet's 1.28 M samples) runs in a
+background thread, off the epoch's start. A wrong guess costs fetches (bounded by the
 look-ahead's bytes), never a wrong batch: each epoch's real order is published when it begins.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,40 +34,37 @@ class NextEpoch:
         self._last_epoch: int | None = None
         self._step = 1
 
-    def batches(self, batch_sampler: Any) -> list[list[int]] | None:
-        """Call right after the batch sampler yielded the current epoch; None when it cannot be known."""
+    def prepare(self, batch_sampler: Any) -> Callable[[], list[list[int]]] | None:
+        """Call right after the batch sampler yielded the current epoch: a function that computes
+        the next epoch's batches from a copy of the sampler's state (so it may run in another thread
+        while the sampler is used), or None when they cannot be known."""
         if type(batch_sampler) is not BatchSampler:
             return None
-        sampler = batch_sampler.sampler
+        sampler: Any = batch_sampler.sampler
+        size, drop_last = batch_sampler.batch_size, batch_sampler.drop_last
         if type(sampler) is SequentialSampler:
-            return [list(b) for b in batch_sampler]
-        if type(sampler) is RandomSampler:
-            gen = sampler.generator
-            if not isinstance(gen, torch.Generator):
+            clone: Any = sampler  # no state
+        elif type(sampler) is RandomSampler:
+            if not isinstance(sampler.generator, torch.Generator):
                 return None  # it would draw its seed from torch's global generator
-            state = gen.get_state()
-            try:
-                return [list(b) for b in batch_sampler]
-            finally:
-                gen.set_state(state)
-        if isinstance(sampler, DistributedSampler) and type(sampler) in (
-            DistributedSampler, ElasticDistributedSampler, PartitionedSampler
-        ):  # fmt: skip
-            return self._distributed(batch_sampler, sampler)
-        return None
+            clone = copy.copy(sampler)
+            clone.generator = torch.Generator().set_state(sampler.generator.get_state())
+        elif type(sampler) in (DistributedSampler, ElasticDistributedSampler, PartitionedSampler):
+            epoch = int(sampler.epoch)
+            if self._last_epoch is not None:
+                self._step = epoch - self._last_epoch if epoch >= self._last_epoch else 1
+            self._last_epoch = epoch
+            clone = copy.copy(sampler)
+            clone.epoch = epoch + self._step
+            if isinstance(clone, ElasticDistributedSampler):
+                clone.start = 0
+            if isinstance(clone, PartitionedSampler):
+                clone.consumed = []
+        else:
+            return None
+        return lambda: [list(b) for b in BatchSampler(clone, size, drop_last)]
 
-    def _distributed(self, batch_sampler: Any, sampler: Any) -> list[list[int]]:
-        epoch = int(sampler.epoch)
-        if self._last_epoch is not None:
-            self._step = epoch - self._last_epoch if epoch >= self._last_epoch else 1
-        self._last_epoch = epoch
-        saved = dict(sampler.__dict__)
-        try:
-            sampler.epoch = epoch + self._step
-            if isinstance(sampler, ElasticDistributedSampler):
-                sampler.start = 0
-            if isinstance(sampler, PartitionedSampler):
-                sampler.consumed = []
-            return [list(b) for b in batch_sampler]
-        finally:
-            sampler.__dict__.update(saved)
+    def batches(self, batch_sampler: Any) -> list[list[int]] | None:
+        """The next epoch's batches, computed now (see :meth:`prepare`)."""
+        make = self.prepare(batch_sampler)
+        return make() if make is not None else None
