@@ -41,6 +41,7 @@ from ._errors import (
 from ._listing import Manifest
 from ._listing import load_or_list as list_folder
 from ._metrics import LoaderStats
+from ._sampling import compare_runs, sample_rng
 
 if _TYPE_CHECKING:
     from ._dataset import BlobDataset, BlobLoader, FolderDataset
@@ -94,7 +95,9 @@ __all__ = [
     "Throttled",
     "WarmSummary",
     "__version__",
+    "compare_runs",
     "list_folder",
+    "sample_rng",
     "warm",
 ]
 

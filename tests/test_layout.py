@@ -29,8 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "_fetch": {"_node", "_metrics", "_stores"},
     "_listing": {"_fetch", "_metrics", "_node", "_stores"},
     "_sampling": {"_listing"},
-    "transforms": {"_decode"},
-    "gpu": {"_metrics", "_decode", "transforms"},
+    "transforms": {"_decode", "_sampling"},
+    "gpu": {"_metrics", "_decode", "_sampling", "transforms"},
     "testing": {"gpu", "transforms", "_decode"},
     "_dataset": {
         "_cache", "_decode", "_fetch", "_listing", "_metrics", "_node", "_sampling", "_stores", "gpu",

@@ -33,7 +33,9 @@ def test_all_is_sorted_and_exact() -> None:
         "Throttled",
         "WarmSummary",
         "__version__",
+        "compare_runs",
         "list_folder",
+        "sample_rng",
         "warm",
     }
     for name in blobdata.__all__:

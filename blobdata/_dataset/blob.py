@@ -26,6 +26,7 @@ from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
 from .._errors import BlobdataError, ConfigError, DecodeError, NotFound, note_fields
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
+from .._sampling import enter_sample, leave_sample
 from .._stores import redact, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .base import BlobDatasetBase, OnError, resolve_cache
@@ -222,9 +223,11 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         decoding = transforming = 0.0
         out: list[Any] = []
         t = self._table
+        seed = getattr(indices, "seed", None)  # a blobdata loader's batch keys its samples' draws
         for i, data in zip(idx, datas, strict=True):
             key = t.key(i)
             url = f"{self._url}/{key}"
+            token = enter_sample(seed, url)  # blobdata.sample_rng() and our transforms draw from it
             try:
                 if isinstance(data, BaseException):
                     raise data
@@ -246,6 +249,8 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
                     raise
                 self._report(url, exc)
                 continue
+            finally:
+                leave_sample(token)
             out.append(sample)
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming

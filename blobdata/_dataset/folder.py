@@ -24,6 +24,7 @@ from .._decode import decode, decode_with, default_loader
 from .._errors import BlobdataError, ConfigError, note_fields
 from .._listing import Manifest, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
+from .._sampling import enter_sample, leave_sample
 from .._stores import redact, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .base import BlobDatasetBase, OnError, resolve_cache
@@ -38,7 +39,9 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
     ``root`` is any supported URL (``s3://``, ``gs://``, ``az://``, ``file://``, ``memory://`` or a local
     path). ``transform``, ``target_transform``, ``loader``, ``extensions``, ``is_valid_file`` and
     ``allow_empty`` behave as in ImageFolder; ``loader`` receives a binary file object holding the
-    object's bytes (``name`` is its URL) instead of a path. Keyword-only settings:
+    object's bytes (``name`` is its URL) instead of a path. Read through :meth:`dataloader`, a
+    transform's random draws can be keyed by (loader seed, epoch, URL): :func:`blobdata.sample_rng`.
+    Keyword-only settings:
 
     storage_options:  fsspec options of the backend (endpoint, credentials); the environment's usual
                       variables apply where these are silent.
@@ -176,8 +179,10 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         local = path_prefix(m, self._local_root) if self._local_root is not None else None
         decode_aware = hasattr(self.transform, "decode_and_apply")
         raw = self._raw
+        seed = getattr(indices, "seed", None)  # a blobdata loader's batch keys its samples' draws
         for i, data in zip(idx, datas, strict=True):
             url = m.url(i)
+            token = enter_sample(seed, url)  # blobdata.sample_rng() and our transforms draw from it
             try:
                 if isinstance(data, BaseException):
                     raise data
@@ -207,6 +212,8 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
                     raise
                 self._report(url, exc)
                 continue
+            finally:
+                leave_sample(token)
             out.append((sample, url, target) if raw else (sample, target))
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming

@@ -15,6 +15,7 @@ epoch yields only the batches not yet yielded.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch.utils.data
 from .._errors import ConfigError
 from .._fetch import PlanChannel, PlanningBatchSampler
 from .._metrics import LoaderStats, LoopClock, Records, SkipLog, TimedCollate, TimedIter
-from .._sampling import Progress, own_generator
+from .._sampling import NextEpoch, Progress, loader_seed, own_generator, run_identity
 from ..gpu._pipeline import DevicePipeline, collate_raw
 
 __all__ = ["BlobLoader"]
@@ -113,10 +114,21 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
             batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
         self.channel = PlanChannel()
         attach(self.channel)
-        self.progress = Progress(sampler, batch_size)
+        # The augmentation's seed: with the epoch and each sample's URL, it keys every random draw of
+        # blobdata's transforms (and sample_rng()) on the CPU path, and the GPU path's boxes.
+        seed = loader_seed(generator, sampler)
+        if self.device_pipeline is not None:
+            self.device_pipeline.seed = seed
+        self.progress = Progress(
+            sampler, batch_size, seed, identity=functools.partial(run_identity, dataset, sampler, batch_size)
+        )
         # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
         # is what tools that rebuild a loader know how to re-make with another sampler.
-        self._planner = PlanningBatchSampler(batches, self.channel, self.progress)
+        self._planner = PlanningBatchSampler(
+            batches, self.channel, self.progress, next_epoch=NextEpoch().prepare
+        )
+        # Persistent workers outlive the epoch: their look-ahead runs on into the next one.
+        self._planner.across_epochs = bool(persistent_workers and num_workers > 0)
         super().__init__(
             dataset,
             batch_sampler=batches,
@@ -193,19 +205,30 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands (JSON-friendly, versioned): epoch, batches yielded in it, and the
-        sampler's seed or generator state at the epoch's start. See :mod:`blobdata._sampling.resume`."""
+        """Where this loader stands (JSON-friendly, versioned): epoch, batches yielded in it, the
+        sampler's seed or generator state at the epoch's start, the augmentation seed, what identifies
+        the run (``"run"``: dataset URL, a digest of the listing, sampler, batch size) and a running
+        digest of the indices served (``"served"``; compare two runs with :func:`blobdata.compare_runs`).
+        See :mod:`blobdata._sampling.resume` and ``docs/resume.md``."""
         if not getattr(self, "in_order", True) and self.num_workers > 0:
             raise ConfigError(
                 "state_dict() needs in_order=True: out of order, the batches yielded are not a prefix"
             )
         return self.progress.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Make the next epoch this loader begins resume ``state``'s: same order, minus the batches
-        already yielded (which are not fetched again). At another world size the sampler must be an
-        :class:`~blobdata.ElasticDistributedSampler`."""
-        self.progress.load_state_dict(state)
+        already yielded (which are not fetched again), and the same augmentation draws. At another
+        world size the sampler must be an :class:`~blobdata.ElasticDistributedSampler` (or a
+        :class:`~blobdata.PartitionedSampler`).
+
+        A state saved over another dataset URL, listing (keys, object identities, sizes, classes),
+        sampler kind or seed, or batch size is refused with a :class:`~blobdata.ConfigError` naming
+        what differs; ``strict=False`` loads it anyway, with a warning. A state of blobdata before 0.3
+        (version 1) records none of these: it is loaded with a warning. See ``docs/resume.md``."""
+        self.progress.load_state_dict(state, strict=strict)
+        if self.device_pipeline is not None and self.progress.seed is not None:
+            self.device_pipeline.seed = self.progress.seed
 
 
 def _present(batches: Iterator[Any]) -> Iterator[Any]:

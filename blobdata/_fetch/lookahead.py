@@ -14,8 +14,10 @@ sampler blobdata did not see), nothing is staged and batches are still fetched a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -26,17 +28,26 @@ import numpy as np
 from .. import _process
 from .._node import shm
 
-__all__ = ["LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels"]
+log = logging.getLogger("blobdata")
+
+__all__ = [
+    "KeyedBatch", "LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels",
+]  # fmt: skip
 
 
 class Plan:
-    """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``."""
+    """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``.
+    ``next``: the next epoch's batches where they are known before it begins (persistent workers)."""
 
-    def __init__(self, seq: int, flat: np.ndarray, offsets: np.ndarray) -> None:
+    def __init__(self, seq: int, flat: np.ndarray, offsets: np.ndarray, next: Plan | None = None) -> None:
         self.seq = seq
         self.flat = flat
         self.offsets = offsets
+        self.next = next
         self._pos: np.ndarray | None = None
+
+    def same_batches(self, other: Plan) -> bool:
+        return np.array_equal(self.offsets, other.offsets) and np.array_equal(self.flat, other.flat)
 
     @property
     def num_batches(self) -> int:
@@ -112,41 +123,92 @@ class PlanChannel:
 
     def publish(self, batches: Sequence[Sequence[int]]) -> Plan:
         """Write one epoch's plan atomically; workers pick it up on their next batch."""
-        lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-        offsets = np.zeros(len(batches) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
+        offsets, flat = _pack(batches)
         self._seq += 1
         seq = self._seq
-        blob = np.concatenate([np.array([seq, len(batches)], dtype=np.int64), offsets, flat])
-        target = os.path.join(self.path, "plan.npy")
-        tmp = os.path.join(self.path, f".plan-{seq}-{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as fh:
-            np.save(fh, blob, allow_pickle=False)
-        os.replace(tmp, target)
+        self._write("plan.npy", _blob(seq, offsets, flat))
         plan = Plan(seq, flat, offsets)
         self._cached = plan
         return plan
+
+    def publish_next(self, seq: int, batches: Sequence[Sequence[int]]) -> None:
+        """Write the batches of the epoch after plan ``seq`` (where they are known before it begins);
+        workers read them when their look-ahead reaches plan ``seq``'s end (:meth:`next_of`)."""
+        offsets, flat = _pack(batches)
+        self._write("next.npy", _blob(seq, offsets, flat))
+
+    def next_of(self, plan: Plan) -> Plan | None:
+        """The next epoch's batches announced for ``plan``, read once published; None until then."""
+        if plan.next is None:
+            got = self._read("next.npy")
+            if got is not None and got.seq == plan.seq:
+                plan.next = Plan(-plan.seq, got.flat, got.offsets)
+        return plan.next
+
+    def _write(self, name: str, blob: np.ndarray) -> None:
+        tmp = os.path.join(self.path, f".{name}-{uuid.uuid4().hex}.tmp")
+        with open(tmp, "wb") as fh:
+            np.save(fh, blob, allow_pickle=False)
+        os.replace(tmp, os.path.join(self.path, name))
+
+    def _read(self, name: str) -> Plan | None:
+        try:
+            with open(os.path.join(self.path, name), "rb") as fh:
+                blob = np.load(fh, allow_pickle=False)
+        except (OSError, ValueError):
+            return None
+        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 3:
+            return None
+        got = _unpack(blob, 2, int(blob[1]))
+        if got is None or got[2] != len(blob):
+            return None
+        return Plan(int(blob[0]), got[1], got[0])
 
     def current(self, *, reload: bool = False) -> Plan | None:
         """The latest plan (cached in this process until ``reload``); None if none was published."""
         if self._cached is not None and not reload:
             return self._cached
-        try:
-            with open(os.path.join(self.path, "plan.npy"), "rb") as fh:
-                blob = np.load(fh, allow_pickle=False)
-        except (OSError, ValueError):
-            return self._cached
-        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 3:
-            return self._cached
-        seq, nb = int(blob[0]), int(blob[1])
-        offsets = blob[2 : nb + 3]
-        flat = blob[nb + 3 :]
-        if len(offsets) != nb + 1 or int(offsets[-1]) != len(flat):
-            return self._cached
-        if self._cached is None or self._cached.seq != seq:
-            self._cached = Plan(seq, flat, offsets)
+        got = self._read("plan.npy")
+        if got is not None and (self._cached is None or self._cached.seq != got.seq):
+            self._cached = got
         return self._cached
+
+
+def _pack(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    offsets = np.zeros(len(batches) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
+    return offsets, flat
+
+
+def _blob(seq: int, offsets: np.ndarray, flat: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.array([seq, len(offsets) - 1], dtype=np.int64), offsets, flat])
+
+
+def _unpack(blob: np.ndarray, at: int, nb: int) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """(offsets, flat, end) of the ``nb`` batches packed at ``blob[at:]``; None if malformed."""
+    offsets = blob[at : at + nb + 1]
+    if nb < 0 or len(offsets) != nb + 1 or offsets[0] != 0:
+        return None
+    end = at + nb + 1 + int(offsets[-1])
+    if end > len(blob) or np.any(np.diff(offsets) < 0):
+        return None
+    return offsets, blob[at + nb + 1 : end], end
+
+
+class KeyedBatch(list[int]):
+    """A batch's indices, with the seed its samples' augmentation draws are keyed by (the loader's
+    seed mixed with the epoch; see :mod:`blobdata._sampling.rng`). DataLoader hands the batch
+    sampler's lists as they are to the dataset's ``__getitems__`` (pickled to a worker), so the seed
+    travels with the very batch it belongs to, whichever worker serves it."""
+
+    def __init__(self, indices: Sequence[int], seed: int) -> None:
+        super().__init__(indices)
+        self.seed = seed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (KeyedBatch, (list(self), self.seed))
 
 
 class PlanningBatchSampler:
@@ -156,18 +218,39 @@ class PlanningBatchSampler:
     ``DistributedSampler`` after ``set_epoch``): this only observes it.
     """
 
-    def __init__(self, batch_sampler: Any, channel: PlanChannel, progress: Any = None) -> None:
+    def __init__(
+        self,
+        batch_sampler: Any,
+        channel: PlanChannel,
+        progress: Any = None,
+        next_epoch: Callable[[Any], Callable[[], Sequence[Sequence[int]]] | None] | None = None,
+    ) -> None:
         self.batch_sampler = batch_sampler
         self.channel = channel
         self.progress = progress  # a resumed epoch drops its first batches before they are planned
+        # Prepares the next epoch's batches from the batch sampler, where they can be known: with
+        # `across_epochs` (persistent workers) they are computed in a thread and published during the
+        # epoch, so that the look-ahead runs across its end.
+        self.next_epoch = next_epoch
+        self.across_epochs = False
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
         # DataLoader (which draws its worker base seed from the generator between iter() and
         # next()), so a seeded generator gives exactly the plain DataLoader's order.
         skip = self.progress.begin() if self.progress is not None else 0
-        batches = [list(b) for b in self.batch_sampler][skip:]
-        self.channel.publish(batches)
+        seed = self.progress.sample_seed() if self.progress is not None else None
+        batches: Sequence[list[int]]
+        if seed is None:
+            batches = [list(b) for b in self.batch_sampler][skip:]
+        else:
+            batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
+        plan = self.channel.publish(batches)
+        if self.progress is not None:
+            self.progress.planned(batches)
+        make = self.next_epoch(self.batch_sampler) if self.across_epochs and self.next_epoch else None
+        if make is not None:  # off the epoch's start: as long as planning it (a second for ImageNet)
+            threading.Thread(target=_announce, args=(self.channel, plan.seq, make), daemon=True).start()
         yield from batches
 
     def __len__(self) -> int:
@@ -177,9 +260,16 @@ class PlanningBatchSampler:
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.
-        if name in ("batch_sampler", "channel", "progress"):
+        if name in ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs"):
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
+
+
+def _announce(channel: PlanChannel, seq: int, make: Callable[[], Sequence[Sequence[int]]]) -> None:
+    try:
+        channel.publish_next(seq, make())
+    except Exception:  # a prediction is an optimisation: the epoch's own plan is the truth
+        log.debug("blobdata: the next epoch's order could not be announced", exc_info=True)
 
 
 def _consume(task: asyncio.Task[bytes]) -> None:
@@ -259,6 +349,12 @@ class LookAhead:
     ``stride``-th batch: the DataLoader deals batches round-robin to its workers). Each epoch starts
     two batches ahead and doubles per batch up to ``max_items`` samples, so that the first batch does
     not wait behind a burst of requests.
+
+    Where the plan carries the next epoch's batches (persistent workers), staging goes on past the
+    epoch's end into this process's first two batches of the next epoch (a persistent DataLoader
+    deals each epoch from worker 0 again), within the same bounds; when that epoch's plan arrives and
+    is the one announced, what was staged is kept and the ramp goes on from there: the next epoch's
+    first batches do not wait for their fetches.
     """
 
     def __init__(
@@ -271,6 +367,7 @@ class LookAhead:
     ) -> None:
         self.stager = Stager(fetch, size_of, max_items=max_items, max_bytes=max_bytes)
         self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
+        self._plan: Plan | None = None
         self._ramp = 0  # batches served this epoch, up to where the depth is full
 
     def take(self, index: int) -> asyncio.Task[bytes] | None:
@@ -289,10 +386,16 @@ class LookAhead:
         stager = self.stager
         if self._plan_key != (channel.path, plan.seq):
             # A new epoch, or a new loader (whose channel numbers its plans from 1 again): what was
-            # staged for the old order is useless.
-            stager.clear()
+            # staged for the old order is useless, unless it was staged for this very order.
+            prev = self._plan
+            announced = prev is not None and prev.next is not None and prev.next.same_batches(plan)
+            if not (announced and self._plan_key is not None and self._plan_key[0] == channel.path):
+                stager.clear()
+                self._ramp = 0
+            else:  # its first two batches are staged: the ramp goes on from there
+                self._ramp = min(self._ramp, 1)
             self._plan_key = (channel.path, plan.seq)
-            self._ramp = 0
+            self._plan = plan
         depth = min(stager.max_items, max(len(indices), 1) << (self._ramp + 1))
         if depth < stager.max_items:
             self._ramp += 1
@@ -301,6 +404,13 @@ class LookAhead:
         while nxt < plan.num_batches and len(ahead) < depth:
             ahead.extend(plan.batch(nxt).tolist())
             nxt += stride
+        upcoming = channel.next_of(plan) if nxt >= plan.num_batches and len(ahead) < depth else None
+        if upcoming is not None:  # across the epoch's end: this process's first two batches of the next
+            # (the ramp's start: a whole epoch staged at once would make its first batch wait for all)
+            nxt, limit = k % stride, min(depth, len(ahead) + 2 * max(len(indices), 1))
+            while nxt < upcoming.num_batches and len(ahead) < limit:
+                ahead.extend(upcoming.batch(nxt).tolist())
+                nxt += stride
         stager.schedule(ahead)
 
     def clear(self) -> None:

@@ -7,6 +7,9 @@ module             its one job
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
 ``resume``         the loader's position (``state_dict``), elastic resume at another world size
+``peek``           the next epoch's batches before it begins (look-ahead across epochs)
+``identity``       what makes a state this run's; a digest of the indices served (``compare_runs``)
+``rng``            augmentation draws keyed by (loader seed, epoch, sample URL); ``sample_rng()``
 =================  ==========================================================================
 
 The samplers need torch: they are imported on first use, so the command line's ``warm`` and
@@ -17,29 +20,53 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .identity import ServedDigest, compare_runs, listing_digest, run_identity
+from .rng import SampleDraws, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
+from .rng import current as current_sample
+from .rng import enter as enter_sample
+from .rng import leave as leave_sample
 from .shares import Layout, canonical_nodes, epoch_orders, fixed_order, node_share, rank_stream
 
 if TYPE_CHECKING:
     from .partition import PartitionedSampler
+    from .peek import NextEpoch
     from .resume import ElasticDistributedSampler, Progress, own_generator
     from .resume import node_share as epoch_share
 
 __all__ = [
     "ElasticDistributedSampler",
     "Layout",
+    "NextEpoch",
     "PartitionedSampler",
     "Progress",
+    "SampleDraws",
+    "ServedDigest",
     "canonical_nodes",
+    "compare_runs",
+    "current_sample",
+    "enter_sample",
     "epoch_orders",
+    "epoch_seed",
     "epoch_share",
     "fixed_order",
+    "leave_sample",
+    "listing_digest",
+    "loader_seed",
     "node_share",
     "own_generator",
     "rank_stream",
+    "run_identity",
+    "sample_key",
+    "sample_rng",
+    "uniforms",
 ]
 
 
 def __getattr__(name: str) -> object:
+    if name == "NextEpoch":
+        from .peek import NextEpoch
+
+        return NextEpoch
     if name == "PartitionedSampler":
         from .partition import PartitionedSampler
 

@@ -25,7 +25,8 @@ import base64
 import binascii
 import copy
 import math
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,11 +35,13 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .._errors import ConfigError
 from .._listing import dist_info
+from .identity import ServedDigest, differences
 from .partition import PartitionedSampler
+from .rng import epoch_seed
 
 __all__ = ["STATE_VERSION", "ElasticDistributedSampler", "Progress", "node_share", "own_generator"]
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: with the run's identity, the digest of the indices served and the augmentation seed
 
 
 class ElasticDistributedSampler(DistributedSampler[int]):
@@ -158,9 +161,20 @@ def capture(sampler: Any) -> dict[str, Any]:
 class Progress:
     """Where one loader stands; see the module docstring. Lives in the main process only."""
 
-    def __init__(self, sampler: Any, batch_size: int | None) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        batch_size: int | None,
+        seed: int | None = None,
+        identity: Callable[[str], dict[str, Any]] | None = None,
+    ) -> None:
         self.sampler = sampler
         self.batch_size = batch_size
+        self.seed = seed  # the augmentation's (blobdata._sampling.rng); None: not keyed
+        self._identity_of = identity  # (sampler kind) -> the run's identity (blobdata._sampling.identity)
+        self._identity: dict[str, Any] | None = None
+        self.served = ServedDigest()  # every batch handed out, over the epochs
+        self._plan: Sequence[Sequence[int]] | None = None  # the current epoch's batches, as planned
         self.epoch = -1  # epochs begun, minus one
         self.batches = 0  # batches yielded in the current epoch, those skipped on resume included
         self.complete = True
@@ -195,6 +209,10 @@ class Progress:
         self.batches, self.complete = skip + self._resumed, False
         return skip
 
+    def sample_seed(self) -> int | None:
+        """The seed the current epoch's augmentation draws are keyed by (with each sample's URL)."""
+        return None if self.seed is None else epoch_seed(self.seed, self.epoch)
+
     def resumed_batches(self) -> int:
         """Batches of the current epoch an elastic or partitioned sampler leaves out (``len()``
         counts them)."""
@@ -202,19 +220,32 @@ class Progress:
             return self._resumed
         return 0
 
+    def planned(self, batches: Sequence[Sequence[int]]) -> None:
+        """The batches the epoch begun will hand out (after those a resume skips), in order."""
+        self._plan = batches
+
     def track(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """The loader's batches, counted as they are handed out."""
-        for batch in batches:
+        """The loader's batches, counted (and their indices digested) as they are handed out."""
+        for j, batch in enumerate(batches):
             self.batches += 1
+            plan = self._plan  # set when the sampler began the epoch, before its first batch
+            if plan is not None and j < len(plan):
+                self.served.update(self.epoch, plan[j])
             yield batch
         self.complete = True
+
+    def identity(self) -> dict[str, Any] | None:
+        """What identifies this run (computed once: it digests the listing)."""
+        if self._identity is None and self._identity_of is not None:
+            self._identity = self._identity_of(capture(self.sampler)["kind"])
+        return self._identity
 
     def world_size(self) -> int:
         return int(getattr(self.sampler, "num_replicas", 1))
 
     def state_dict(self) -> dict[str, Any]:
         if self._loaded is not None:  # loaded, its epoch not begun: the same position (as StatefulDataLoader)
-            return copy.deepcopy(self._loaded)
+            return {**copy.deepcopy(self._loaded), **self._own()}
         complete = self.complete or self._start is None
         if not complete:
             sampler = dict(self._start or {})
@@ -237,12 +268,23 @@ class Progress:
             "batch_size": self.batch_size,
             "world_size": self.world_size(),
             "sampler": sampler,
+            **self._own(),
         }
 
-    def load_state_dict(self, state: Any) -> None:
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+    def _own(self) -> dict[str, Any]:
+        """What this loader's state says of the run, whatever state it loaded."""
+        return {
+            "version": STATE_VERSION,
+            "run": self.identity(),
+            "served": self.served.state(),
+            "seed": self.seed,  # the augmentation's: a resumed run draws the same crops
+        }
+
+    def load_state_dict(self, state: Any, *, strict: bool = True) -> None:
+        if not isinstance(state, dict) or state.get("version") not in (1, STATE_VERSION):
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ConfigError(f"not a blobdata loader state of version {STATE_VERSION} (got {got!r})")
+            raise ConfigError(f"not a blobdata loader state of version 1 or {STATE_VERSION} (got {got!r})")
+        self._check_run(state, strict)
         try:
             saved, epoch, batches = dict(state["sampler"]), int(state["epoch"]), int(state["batches"])
             complete = bool(state["complete"])
@@ -257,7 +299,7 @@ class Progress:
             )
         kind = here["kind"]
         if kind in ("elastic", "distributed"):
-            if int(saved["seed"]) != self.sampler.seed:
+            if int(saved["seed"]) != self.sampler.seed and strict:
                 raise ConfigError(
                     f"the state's sampler seed is {saved['seed']}, this sampler's {self.sampler.seed}"
                 )
@@ -279,18 +321,49 @@ class Progress:
                     f"the state was saved at world size {saved_world}, this is {self.world_size()}: resume "
                     "at another world size needs blobdata.ElasticDistributedSampler"
                 )
-            if state.get("batch_size") != self.batch_size:
+            if state.get("batch_size") != self.batch_size and strict:
                 raise ConfigError(
                     f"the state was saved with batch_size={state.get('batch_size')}, this loader has "
                     f"{self.batch_size}"
                 )
         if kind == "generator" and complete:
             self.sampler.generator.set_state(_decode(saved["state"]))
+        if state.get("seed") is not None:
+            self.seed = int(state["seed"])
+        self.served = ServedDigest.from_state(state.get("served"))
         self.epoch = epoch
         self.batches, self.complete = 0, True
         self._start = self._at_iter = None
         self._pending = None if complete else (saved, batches)
         self._loaded = None if complete else copy.deepcopy(dict(state))
+
+
+    def _check_run(self, state: dict[str, Any], strict: bool) -> None:
+        """Refuse (``strict``) or warn of a state from another dataset, listing, sampler or batch size."""
+        if state.get("version") == 1:
+            warnings.warn(
+                "a blobdata loader state of version 1 (blobdata before 0.3) records no run identity: it is "
+                "loaded without checking that it was saved over this dataset, listing, sampler and batch "
+                "size, and the digest of the indices served starts again here",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        here = self.identity()
+        saved = state.get("run")
+        if here is None or not isinstance(saved, dict):
+            return
+        diffs = differences(saved, here)
+        if not diffs:
+            return
+        text = "; ".join(diffs)
+        if strict:
+            raise ConfigError(
+                f"this loader state was saved by another run ({text}): resuming it here would not continue "
+                "that run. Pass strict=False to load_state_dict to load it anyway"
+            )
+        warnings.warn(f"loading a loader state of another run ({text}), as strict=False asks", UserWarning,
+                      stacklevel=4)  # fmt: skip
 
 
 def _leaves_out(sampler: Any) -> bool:

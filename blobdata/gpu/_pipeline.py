@@ -147,7 +147,8 @@ class DevicePipeline:
     ``on_error="raise"`` the error reaches the loop. A batch whose every sample was dropped yields
     None (the loader leaves it out, but counts it, so that resuming stays exact). The augmentation's
     seed is ``generator.initial_seed()`` (the loader's ``generator=``), else drawn once from torch's
-    global generator when the pipeline is made.
+    global generator when the pipeline is made; a :class:`~blobdata.BlobLoader` sets it to its own
+    (:func:`blobdata._sampling.loader_seed`, recorded in its state), which the CPU path's transforms share.
     """
 
     def __init__(

@@ -22,40 +22,10 @@ import numpy as np
 import torch
 
 from .._errors import ConfigError
+from .._sampling import epoch_seed, uniforms
 from ..transforms import RandomResizedCrop
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "TrainTransform", "epoch_seed", "uniforms"]
-
-_MASK = (1 << 64) - 1
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_ATTEMPTS = 10  # torchvision's RandomResizedCrop tries 10 boxes before its central fallback
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a bijective 64-bit hash."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * np.uint64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> np.uint64(27))
-    x = x * np.uint64(0x94D049BB133111EB)
-    out: np.ndarray = x ^ (x >> np.uint64(31))
-    return out
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The seed of one epoch's draws, from a loader's seed and the epoch number."""
-    x = np.array([seed & _MASK], dtype=np.uint64) ^ _mix(np.array([epoch & _MASK], dtype=np.uint64))
-    return int(_mix(x)[0])
-
-
-def uniforms(seed: int, keys: np.ndarray, count: int) -> np.ndarray:
-    """``(len(keys), count)`` float64 uniforms in [0, 1): stream ``keys[k]`` of ``seed``, counter-based
-    (each value a hash of (seed, key, position)), so a sample's draws depend on nothing else."""
-    base = _mix(np.uint64(seed & _MASK) ^ _mix(np.asarray(keys).astype(np.uint64)))
-    steps = _GOLDEN * np.arange(1, count + 1, dtype=np.uint64)
-    bits = _mix(base[:, None] + steps[None, :]) >> np.uint64(11)
-    out: np.ndarray = bits.astype(np.float64) * (1.0 / (1 << 53))
-    return out
-
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -117,35 +87,10 @@ class TrainTransform:
         log-uniform aspect ratio in ``ratio``, the first that fits wins; else the central crop of the
         nearest allowed ratio. A few microseconds per batch, not a Python loop over samples.
         """
-        rrc = self.boxes
         sizes = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)
-        n = len(sizes)
-        if n == 0:
+        if len(sizes) == 0:
             return [], []
-        u = uniforms(seed, keys, 4 * _ATTEMPTS + 1)
-        height, width = sizes[:, :1], sizes[:, 1:]
-        lo, hi = np.log(rrc.ratio[0]), np.log(rrc.ratio[1])
-        target = height * width * (rrc.scale[0] + (rrc.scale[1] - rrc.scale[0]) * u[:, :_ATTEMPTS])
-        aspect = np.exp(lo + (hi - lo) * u[:, _ATTEMPTS : 2 * _ATTEMPTS])
-        w = np.rint(np.sqrt(target * aspect))
-        h = np.rint(np.sqrt(target / aspect))
-        fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-        first = fits.argmax(axis=1)
-        rows = np.arange(n)
-        h, w = h[rows, first], w[rows, first]
-        height, width = height[:, 0], width[:, 0]
-        top = np.floor(u[rows, 2 * _ATTEMPTS + first] * (height - h + 1))
-        left = np.floor(u[rows, 3 * _ATTEMPTS + first] * (width - w + 1))
-        # The fallback where no try fitted: the central crop of the nearest allowed aspect ratio.
-        ratio = width / height
-        fw = np.where(ratio > rrc.ratio[1], np.rint(height * rrc.ratio[1]), width)
-        fh = np.where(ratio < rrc.ratio[0], np.rint(width / rrc.ratio[0]), height)
-        none = ~fits.any(axis=1)
-        h, w = np.where(none, fh, h), np.where(none, fw, w)
-        top = np.where(none, (height - fh) // 2, top)
-        left = np.where(none, (width - fw) // 2, left)
-        boxes = np.stack([top, left, h, w], axis=1).astype(np.int64)
-        flips = u[:, 4 * _ATTEMPTS] < rrc.flip
+        boxes, flips = self.boxes.keyed_params(sizes, uniforms(seed, keys, self.boxes.DRAWS))
         return [tuple(b) for b in boxes.tolist()], flips.tolist()  # type: ignore[misc]
 
     def __call__(self, images: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -55,7 +55,7 @@ def test_output_shape_dtype_and_flip() -> None:
     box = RandomResizedCrop(24).params(*img.size)
     plain = RandomResizedCrop(24, flip=0.0).crop(Image.open(io.BytesIO(data)), box, reduced=False)
     flipper = RandomResizedCrop(24, flip=1.0)
-    flipped = flipper._finish(Image.open(io.BytesIO(data)), box, (1.0, 1.0))
+    flipped = flipper._finish(Image.open(io.BytesIO(data)), box, (1.0, 1.0), True)
     assert torch.equal(flipped, plain.flip(-1))
 
 
