@@ -4,6 +4,7 @@ loader's resumable position.
 =================  ==========================================================================
 module             its one job
 =================  ==========================================================================
+``keyed``          a keyed permutation of ``0..n-1`` evaluated at any positions (Feistel network)
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
 ``resume``         the loader's position (``state_dict``), elastic resume at another world size
@@ -17,7 +18,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .shares import Layout, canonical_nodes, epoch_orders, fixed_order, node_share, rank_stream
+from .keyed import permute, round_keys
+from .shares import (
+    Layout,
+    canonical_nodes,
+    epoch_orders,
+    fixed_order,
+    node_share,
+    rank_indices,
+    rank_stream,
+)
 
 if TYPE_CHECKING:
     from .partition import PartitionedSampler
@@ -35,7 +45,10 @@ __all__ = [
     "fixed_order",
     "node_share",
     "own_generator",
+    "permute",
+    "rank_indices",
     "rank_stream",
+    "round_keys",
 ]
 
 

@@ -1,0 +1,160 @@
+"""What grows with the dataset on every process: the sampler's epoch plan, the manifest in memory, and
+the listing of one big prefix (issue 32).
+
+1. sampler: one rank of 16 nodes x 8 ranks (``PartitionedSampler``, and ``ElasticDistributedSampler``
+   with ``permutation="keyed"``), each size in a fresh process: the first and second epoch's plan
+   (``indices()``) and the peak RSS growth over the process after construction (``ru_maxrss``). The
+   "whole permutation" rows are the way before issue 32 (a sort of ``n`` hashed keys, the node's share
+   sliced out and sorted by epoch keys), measured the same way, at the sizes this machine holds.
+2. manifest: ``P`` processes each ``Manifest.load`` one file of ``M`` entries and touch every entry;
+   each reports the growth of its anonymous RSS (``RssAnon`` in /proc/self/status) and of its RSS.
+3. listing: a synthetic ListObjectsV2 server (``blobdata.testing.SyntheticListServer``, ``N`` keys from a
+   formula, a fixed delay per request) listed page by page and with the parallel lister.
+
+    python benchmarks/bench_scale.py [--parts sampler,manifest,listing] [--quick] [--json out.json]
+
+A benchmark prints; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+from common import add_repo_to_path, table
+
+add_repo_to_path()
+
+NODES, NPROC = 16, 8
+RANK = 5 * NPROC + 3  # node 5, local rank 3
+
+
+class _Sized:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _maxrss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _whole_permutation_plan(n: int, epoch: int) -> Any:
+    """The plan as it was computed before issue 32: the whole dataset's permutation (a sort of n keys,
+    once per seed), the node's slice of it, sorted by epoch keys, the rank's stride."""
+    import numpy as np
+
+    from blobdata._sampling.shares import _SHARE, _by_key
+
+    global _ORDER_CACHE
+    if _ORDER_CACHE is None:
+        _ORDER_CACHE = _by_key(np.arange(n, dtype=np.int64), 0, _SHARE)
+    node = RANK // NPROC
+    share = _ORDER_CACHE[node * n // NODES : (node + 1) * n // NODES]
+    order = _by_key(share, 0, epoch, 2)
+    per_rank = -(-n // (NODES * NPROC))
+    return np.resize(order, NPROC * per_rank)[RANK % NPROC :: NPROC]
+
+
+_ORDER_CACHE: Any = None
+
+
+def sampler_child(kind: str, n: int) -> dict[str, Any]:
+    """One measurement, in this (fresh) process."""
+    import numpy as np  # noqa: F401  (imported before the baseline, as the samplers import it)
+    import torch  # noqa: F401
+
+    from blobdata import ElasticDistributedSampler, PartitionedSampler
+
+    ds = _Sized(n)
+    if kind == "partitioned":
+        s: Any = PartitionedSampler(ds, num_replicas=NODES * NPROC, rank=RANK, nproc_per_node=NPROC)
+        plan = s.indices
+    elif kind == "elastic keyed":
+        s = ElasticDistributedSampler(ds, num_replicas=NODES * NPROC, rank=RANK, permutation="keyed")
+        plan = s.indices
+    else:
+        s = None
+    before = _maxrss_mb()
+    times = []
+    for epoch in (1, 2):
+        t = time.perf_counter()
+        if s is None:
+            out = _whole_permutation_plan(n, epoch)
+        else:
+            s.set_epoch(epoch)
+            out = plan()
+        times.append(time.perf_counter() - t)
+        share = len(out)
+        del out
+    return {"epoch1": times[0], "epoch2": times[1], "rss_growth_mb": _maxrss_mb() - before, "share": share}
+
+
+def _child(part: str, *args: str, timeout: float = 600) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--child", part, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def sampler_part(sizes: list[int], baseline_max: int) -> list[list[str]]:
+    rows = []
+    for n in sizes:
+        for kind in ("partitioned", "elastic keyed", "whole permutation (before)"):
+            if kind.startswith("whole") and n > baseline_max:
+                continue
+            r = _child("sampler", kind, str(n))
+            if "error" in r:
+                rows.append([f"{n:,}", kind, "error", str(r["error"]), "", ""])
+                continue
+            rows.append([f"{n:,}", kind, f"{r['share']:,}", f"{r['epoch1']:.3f}", f"{r['epoch2']:.3f}",
+                         f"{r['rss_growth_mb']:.0f}"])  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="sampler,manifest,listing")
+    p.add_argument("--quick", action="store_true", help="small sizes (the test runs this)")
+    p.add_argument("--json", help="write the tables here")
+    p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--sampler-sizes", default="10000000,50000000,100000000,1000000000")
+    p.add_argument(
+        "--baseline-max",
+        type=int,
+        default=50_000_000,
+        help="largest size measured the way before issue 32 (it needs ~30 bytes a sample)",
+    )
+    args = p.parse_args(argv)
+    if args.child:
+        part, *rest = args.child
+        if part == "sampler":
+            print(json.dumps(sampler_child(rest[0], int(rest[1]))))
+        return 0
+    parts = set(args.parts.split(","))
+    doc: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs", "command": " ".join(sys.argv)}
+    if "sampler" in parts:
+        sizes = [100_000, 1_000_000] if args.quick else [int(x) for x in args.sampler_sizes.split(",")]
+        print(f"\n1. sampler: rank {RANK} of {NODES} nodes x {NPROC} ranks, a fresh process per row")
+        rows = sampler_part(sizes, 1_000_000 if args.quick else args.baseline_max)
+        print(table(["samples", "sampler", "rank's share", "epoch 1 s", "epoch 2 s", "peak RSS +MB"], rows))
+        doc["sampler"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
