@@ -98,6 +98,105 @@ def sampler_child(kind: str, n: int) -> dict[str, Any]:
     return {"epoch1": times[0], "epoch2": times[1], "rss_growth_mb": _maxrss_mb() - before, "share": share}
 
 
+def make_manifest(path: str, n: int) -> int:
+    """A manifest of ``n`` entries shaped like a bucket's (23-byte keys in 1000 classes, quoted
+    32-hex-digit ETags), built with numpy (no Python object per entry); its size in bytes."""
+    import numpy as np
+
+    from blobdata._listing import Manifest
+
+    i = np.arange(n, dtype=np.int64)
+    cls = i * 1000 // max(n, 1)
+
+    def digits(v: Any, width: int, base: int = 10) -> Any:
+        out = (v[:, None] // base ** np.arange(width - 1, -1, -1, dtype=np.int64)) % base
+        return np.where(out < 10, out + 48, out + 87).astype(np.uint8)  # 0-9, a-f
+
+    keys = np.concatenate(
+        [
+            np.full((n, 1), ord("c"), np.uint8),
+            digits(cls, 5),
+            np.full((n, 1), 47, np.uint8),
+            digits(i, 12),
+            np.frombuffer(b".jpg", np.uint8)[None, :].repeat(n, 0),
+        ],
+        axis=1,
+    )
+    h = (i * 0x2545F4914F6CDD1D) & 0x7FFFFFFFFFFFFFFF  # wraps: any pattern of hex digits
+    quote = np.full((n, 1), 34, np.uint8)
+    ids = np.concatenate([quote, digits(h, 16, 16), digits(h ^ 0x5555, 16, 16), quote], axis=1)
+    m = Manifest.from_arrays(
+        "s3://bench/flat", [f"c{c:05d}" for c in range(1000)], keys=keys.ravel(),
+        key_offsets=np.arange(n + 1, dtype=np.int64) * keys.shape[1], sizes=np.full(n, 110_000),
+        targets=cls.astype(np.int32), ids=ids.ravel(),
+        id_offsets=np.arange(n + 1, dtype=np.int64) * ids.shape[1],
+        listed_at=0.0,
+    )  # fmt: skip
+    m.save(path)
+    return os.path.getsize(path)
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def manifest_child(path: str, how: str, go: str) -> dict[str, Any]:
+    """Load ``path`` (mapped, or read as before issue 32), touch every entry's arrays, report the growth
+    of anonymous and file-backed RSS. Waits for ``go`` to exist first, so that all start together."""
+    import numpy as np
+
+    from blobdata._listing import Manifest
+
+    while not os.path.exists(go):
+        time.sleep(0.01)
+    anon, file_ = _status_kb("RssAnon"), _status_kb("RssFile")
+    t = time.perf_counter()
+    if how == "read (before)":
+        with open(path, "rb") as f:
+            m = Manifest.from_bytes(f.read(), source=path)
+    else:
+        m = Manifest.load(path)
+    load_s = time.perf_counter() - t
+    arrays = m._arrays()
+    touched = sum(int(np.add.reduce(a.view(np.uint8), dtype=np.uint64)) for a in arrays.values())
+    keys = [m.relkey(j) for j in range(0, len(m), max(1, len(m) // 1000))]
+    return {
+        "anon_mb": (_status_kb("RssAnon") - anon) / 1024,
+        "file_mb": (_status_kb("RssFile") - file_) / 1024,
+        "load_s": load_s,
+        "touched": touched % 1000 + len(keys),
+    }
+
+
+def manifest_part(n: int, procs: list[int], tmp: str) -> list[list[str]]:
+    path = os.path.join(tmp, f"bench-{n}.manifest")
+    t = time.perf_counter()
+    size = make_manifest(path, n)
+    print(
+        f"made a {n:,}-entry manifest of {size / 2**20:.0f} MiB in {time.perf_counter() - t:.1f}s", flush=True
+    )
+    rows = []
+    for how in ("mapped", "read (before)"):
+        for p in procs:
+            go = os.path.join(tmp, f"go-{how[:4]}-{p}")
+            cmd = [sys.executable, __file__, "--child", "manifest", path, how, go]
+            children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(p)]
+            time.sleep(0.5)
+            open(go, "w").close()
+            outs = [json.loads(c.communicate(timeout=900)[0].strip().splitlines()[-1]) for c in children]
+            anon = max(o["anon_mb"] for o in outs)
+            rows.append([f"{n:,}", f"{size / 2**20:.0f}", how, str(p), f"{anon:.1f}",
+                         f"{100 * anon * 2**20 / size:.1f}%", f"{max(o['file_mb'] for o in outs):.0f}",
+                         f"{max(o['load_s'] for o in outs):.2f}"])  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+    os.unlink(path)
+    return rows
+
+
 def _child(part: str, *args: str, timeout: float = 600) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", part, *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -136,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
         default=50_000_000,
         help="largest size measured the way before issue 32 (it needs ~30 bytes a sample)",
     )
+    p.add_argument("--manifest-entries", type=int, default=10_000_000)
+    p.add_argument("--tmp", default=None, help="where the benchmark's manifest is written")
     args = p.parse_args(argv)
     if args.child:
         part, *rest = args.child
         if part == "sampler":
             print(json.dumps(sampler_child(rest[0], int(rest[1]))))
+        elif part == "manifest":
+            print(json.dumps(manifest_child(*rest)))
         return 0
     parts = set(args.parts.split(","))
     doc: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs", "command": " ".join(sys.argv)}
@@ -150,6 +253,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = sampler_part(sizes, 1_000_000 if args.quick else args.baseline_max)
         print(table(["samples", "sampler", "rank's share", "epoch 1 s", "epoch 2 s", "peak RSS +MB"], rows))
         doc["sampler"] = rows
+    if "manifest" in parts:
+        import tempfile
+
+        n = 200_000 if args.quick else args.manifest_entries
+        procs = [1, 4] if args.quick else [1, 4, 8]
+        print(f"\n2. manifest: processes each loading one {n:,}-entry manifest and touching every entry")
+        with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+            rows = manifest_part(n, procs, tmp)
+        print(table(["entries", "file MiB", "load", "processes", "RssAnon +MiB (max)", "of the file",
+                     "RssFile +MiB", "load s"], rows))  # fmt: skip
+        doc["manifest"] = rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
