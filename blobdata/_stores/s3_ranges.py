@@ -1,0 +1,222 @@
+"""Listing one S3 prefix in parallel: its key space cut into ranges listed at once, the result the very
+list a page-by-page listing gives.
+
+ListObjectsV2 pages follow one another (each continuation token comes with the page before), so a
+prefix of 200,000 keys is 200 round trips in a row. ``start-after`` starts a listing anywhere in the
+key space: after the first page, the rest of the prefix is cut at split strings and each range
+``(after, upto]`` is listed from ``start-after=after``, page by page, until its first key past
+``upto``. The first request of a range is the probe: its first key says where the keys are.
+
+Split strings: the keys after the prefix read as numbers (digits from the characters the first page
+holds), and each range is made to span a width meant to hold about one page of keys: the first
+page's width to begin with, doubled after a range that held less than half a page, halved after one
+that held more than two. A range that finds its first key far beyond its
+end (a gap in the key space) makes the next range reach past that key, so a gap costs one request,
+not one per split. Ranges in flight start at 2 per prefix and double as ranges come back, up to the
+lister's share of ``FetchOptions.concurrency``; a range that finds nothing after its start ends the
+listing.
+
+Identical to page by page, or page by page: S3 orders keys by their UTF-8 bytes (code points, as
+Python compares strings) and ``start-after`` follows that order. The ranges are checked to have
+done so: each range's keys increase and lie in ``(after, upto]``, and the key that stopped one range
+is the first key the next one found (the first key after the boundary, either way). A store that
+orders otherwise (SeaweedFS orders by path segment) or ignores ``start-after`` fails a check, and the
+prefix is listed again page by page. Every request is still checked as every page is (ordering,
+tokens, page size, empty pages; :meth:`S3LeanLister._pages`) under the listing's one deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from .h1 import Response
+from .s3 import LIST_BODY_CAP, S3Reader
+from .s3xml import ListPage, list_query, parse_list_page
+
+if TYPE_CHECKING:
+    from .s3_listing import S3LeanLister
+
+__all__ = ["list_prefix", "list_page_after"]
+
+logger = logging.getLogger(__name__)
+
+Found = tuple[str, int, str]  # (full key, size, etag)
+_FIRST_RANGES = 2
+
+
+async def list_page_after(
+    reader: S3Reader, bucket: str, prefix: str, start_after: str, *, timeout: float, max_keys: int
+) -> ListPage:
+    """One ListObjectsV2 page of the keys of ``bucket`` under ``prefix`` after ``start_after``; no
+    retries (:meth:`S3Reader.list_page` with ``start-after``, which sorts last in the signed query)."""
+    from .._errors import TransientError
+
+    url = f"s3://{bucket}/{prefix}"
+    safe = start_after.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    query = list_query(prefix, delimiter=None, continuation=None, max_keys=max_keys)
+    query += "&start-after=" + quote(safe, safe="")
+
+    def on_success(resp: Response) -> ListPage:
+        body = resp.body
+        if resp.content_length is not None and len(body) != resp.content_length:
+            raise TransientError("short_read", f"{url}: got {len(body)} of {resp.content_length} bytes")
+        return parse_list_page(body, url)
+
+    return await reader._send(bucket, None, query, {}, timeout, url, on_success, max_body=LIST_BODY_CAP)
+
+
+class _Space:
+    """Key suffixes as numbers: fixed-length digits in the alphabet of the characters seen."""
+
+    def __init__(self, suffixes: list[str]) -> None:
+        chars = [ord(c) for s in suffixes for c in s] or [0x61]
+        self.lo = max(0x21, min(chars))
+        self.base = max(chars) - self.lo + 2
+        self.digits = max(len(s) for s in suffixes) + 4
+
+    def value(self, s: str) -> int:
+        v = 0
+        for i in range(self.digits):
+            d = min(max(ord(s[i]) - self.lo + 1, 1), self.base - 1) if i < len(s) else 0
+            v = v * self.base + d
+        return v
+
+    def string(self, v: int) -> str | None:
+        """A string of about value ``v`` (None: past every string of this length)."""
+        out = []
+        for _ in range(self.digits):
+            v, d = divmod(v, self.base)
+            out.append(d)
+        if v:
+            return None
+        while out and out[0] == 0:
+            out.pop(0)  # trailing zero digits (the list is reversed): the string ends
+        chars = (chr(self.lo - 1 + max(d, 1)) for d in reversed(out))
+        return "".join("\ue000" if "\ud800" <= c <= "\udfff" else c for c in chars)
+
+
+@dataclasses.dataclass
+class _Range:
+    after: str | None  # keys after this one (None: the first page's listing, continued)
+    upto: str | None  # up to and including this one (None: to the end)
+    found: list[Found] = dataclasses.field(default_factory=list)
+    first_seen: str | None = None  # the first key its requests returned, before any cut
+    stop: str | None = None  # the first key past ``upto`` (None: the listing ended)
+    sound: bool = True  # its keys increased and lay in (after, upto]
+
+
+async def _run(r: _Range, pages: AsyncIterator[ListPage]) -> _Range:
+    last = r.after
+    try:
+        async for page in pages:
+            for key, size, etag in zip(page.keys, page.sizes, page.etags, strict=True):
+                if r.first_seen is None:
+                    r.first_seen = key
+                if r.upto is not None and key > r.upto:
+                    r.stop = key
+                    return r
+                if last is not None and key <= last:
+                    r.sound = False
+                    return r
+                r.found.append((key, size, etag))
+                last = key
+        return r
+    finally:
+        await pages.aclose()  # type: ignore[attr-defined]
+
+
+def _consistent(ranges: list[_Range]) -> bool:
+    """Whether the ranges, in order, are one listing (see the module docstring)."""
+    for i in range(len(ranges) - 1):
+        r, nxt = ranges[i], ranges[i + 1]
+        if not r.sound:
+            return False
+        if r.stop is None:  # the listing ended here: nothing may lie after
+            return all(not later.found and later.sound for later in ranges[i + 1 :])
+        if r.stop != nxt.first_seen:
+            return False
+    return ranges[-1].sound and ranges[-1].stop is None
+
+
+async def _bounded(slots: asyncio.Semaphore, lister: S3LeanLister, prefix: str, r: _Range) -> _Range:
+    async with slots:
+        return await _run(r, lister._pages(prefix, None, start_after=r.after))
+
+
+async def list_prefix(
+    lister: S3LeanLister, prefix: str, limit: int, slots: asyncio.Semaphore, page_keys: int = 1000
+) -> list[Found]:
+    """Every key under ``prefix``, in the store's order, with ranges listed at once: up to ``limit`` for
+    this prefix, each extra range holding one of the lister's ``slots`` while it lists."""
+    pages = lister._pages(prefix, None)
+    first = await anext(pages, None)  # type: ignore[arg-type]
+    if first is None:
+        return []
+    found: list[Found] = list(zip(first.keys, first.sizes, first.etags, strict=True))
+    if first.next_token is None or limit < 2 or len(first.keys) < 2:
+        async for page in pages:
+            found.extend(zip(page.keys, page.sizes, page.etags, strict=True))
+        return found
+    cut = len(prefix)
+    space = _Space([k[cut:] for k in first.keys])
+    width = max(1, (space.value(first.keys[-1][cut:]) - space.value(first.keys[0][cut:])))
+    width = width * max(len(first.keys), 1) // max(len(first.keys) - 1, 1)
+
+    def after(key: str, span: int) -> str | None:
+        s = space.string(space.value(key[cut:]) + span)
+        if s is None:
+            return None
+        nxt = prefix + s
+        return nxt if nxt > key else key + chr(space.lo)
+
+    frontier = after(first.keys[-1], width)
+    head = _Range(None, frontier, first_seen=first.keys[0])
+    head.found = found
+    ranges = [head]
+    running: dict[asyncio.Task[_Range], _Range] = {
+        asyncio.ensure_future(_run(head, pages)): head  # the first page's listing goes on
+    }
+    in_flight, ended, reach = _FIRST_RANGES, False, frontier
+    try:
+        while True:
+            while not ended and frontier is not None and len(running) < in_flight:
+                upto = after(max(frontier, reach) if reach is not None else frontier, width)
+                r = _Range(frontier, upto)
+                ranges.append(r)
+                running[asyncio.ensure_future(_bounded(slots, lister, prefix, r))] = r
+                frontier = upto
+            if not running:
+                break
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                r = running.pop(task)
+                task.result()  # a failed request fails the listing
+                if r.stop is None:
+                    ended = True
+                elif not r.found and frontier is not None and r.stop > frontier:
+                    reach = r.stop  # a gap: the next range reaches past the key found
+                if (
+                    r.after is not None
+                ):  # aim at a page a range: wider after a thin one, narrower after a thick one
+                    if len(r.found) < page_keys // 2:
+                        width *= 2
+                    elif len(r.found) > 2 * page_keys:
+                        width = max(1, width // 2)
+                in_flight = min(limit, in_flight * 2)
+    except BaseException:
+        for task in running:
+            task.cancel()
+        raise
+    if _consistent(ranges):
+        return [f for r in ranges for f in r.found]
+    logger.info("listing s3://%s/%s: the store's start-after does not follow S3's key order; listed page "
+                "by page instead", lister.url.bucket, prefix)  # fmt: skip
+    out: list[Found] = []
+    async for page in lister._pages(prefix, None):
+        out.extend(zip(page.keys, page.sizes, page.etags, strict=True))
+    return out
