@@ -197,6 +197,48 @@ def manifest_part(n: int, procs: list[int], tmp: str) -> list[list[str]]:
     return rows
 
 
+def list_server_child(count: str, delay: str) -> None:
+    """A SyntheticListServer in this process (its own CPU and GIL), until stdin closes."""
+    from blobdata.testing import SyntheticListServer
+
+    with SyntheticListServer(count=int(count), delay_s=float(delay)) as server:
+        print(json.dumps({"endpoint": server.endpoint_url, "url": server.url}), flush=True)
+        sys.stdin.read()
+
+
+def _list_once(url: str, opts: dict[str, Any], concurrency: int) -> tuple[float, float, Any]:
+    from blobdata._listing import list_folder
+
+    c0, t = time.process_time(), time.perf_counter()
+    m = list_folder(url, storage_options=opts, concurrency=concurrency)
+    return time.perf_counter() - t, time.process_time() - c0, m
+
+
+def listing_part(counts: list[int], delay: float, concurrency: int) -> list[list[str]]:
+    rows = []
+    for n in counts:
+        cmd = [sys.executable, __file__, "--child", "listserver", str(n), str(delay)]
+        server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            info = json.loads(server.stdout.readline())  # type: ignore[union-attr]
+            opts = {"endpoint_url": info["endpoint"], "key": "synthetic", "secret": "synthetic-secret"}
+            floor = -(-n // 1000) * delay
+            seq_wall, seq_cpu, seq = _list_once(info["url"], opts, 1)
+            par_wall, par_cpu, par = _list_once(info["url"], opts, concurrency)
+            same = len(seq) == len(par) == n and all(
+                seq.relkey(i) == par.relkey(i) and seq.identity(i) == par.identity(i) for i in range(0, n, 997)
+            ) and bool((seq.sizes == par.sizes).all())  # fmt: skip
+            del seq, par
+        finally:
+            server.stdin.close()  # type: ignore[union-attr]
+            server.wait(30)
+        rows.append([f"{n:,}", f"{delay * 1000:.0f}", f"{floor:.1f}", f"{seq_wall:.2f}", f"{seq_cpu:.2f}",
+                     f"{par_wall:.2f}", f"{par_cpu:.2f}", f"{par_wall / floor:.2f}x",
+                     f"{seq_wall / par_wall:.1f}x", "yes" if same else "NO"])  # fmt: skip
+        print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
 def _child(part: str, *args: str, timeout: float = 600) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", part, *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -236,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         help="largest size measured the way before issue 32 (it needs ~30 bytes a sample)",
     )
     p.add_argument("--manifest-entries", type=int, default=10_000_000)
+    p.add_argument("--list-counts", default="200000,1000000")
+    p.add_argument("--delay-ms", type=float, default=30.0)
+    p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--tmp", default=None, help="where the benchmark's manifest is written")
     args = p.parse_args(argv)
     if args.child:
@@ -244,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(sampler_child(rest[0], int(rest[1]))))
         elif part == "manifest":
             print(json.dumps(manifest_child(*rest)))
+        elif part == "listserver":
+            list_server_child(*rest)
         return 0
     parts = set(args.parts.split(","))
     doc: dict[str, Any] = {"machine": f"{os.cpu_count()} CPUs", "command": " ".join(sys.argv)}
@@ -264,6 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         print(table(["entries", "file MiB", "load", "processes", "RssAnon +MiB (max)", "of the file",
                      "RssFile +MiB", "load s"], rows))  # fmt: skip
         doc["manifest"] = rows
+    if "listing" in parts:
+        counts = [20_000] if args.quick else [int(x) for x in args.list_counts.split(",")]
+        print(
+            f"\n3. listing one prefix: a synthetic ListObjectsV2 server ({args.delay_ms:g} ms a request, in "
+            f"its own process), page by page vs key ranges at once (concurrency {args.concurrency})"
+        )
+        rows = listing_part(counts, args.delay_ms / 1000, args.concurrency)
+        print(table(["keys", "ms/request", "floor s", "page by page s", "client CPU s", "ranges s",
+                     "client CPU s", "ranges/floor", "speed-up", "identical"], rows))  # fmt: skip
+        doc["listing"] = rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

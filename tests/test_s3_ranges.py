@@ -98,4 +98,12 @@ def test_split_strings_increase_and_stay_valid() -> None:
         assert s is not None and s > last
         s.encode("utf-8")  # no surrogate: it can be sent
         last = s
-    assert space.string(space.base**space.digits) is None  # past every string of that length
+    top = 1
+    for i in range(len(space.alphabets)):
+        top *= space._radix(i)
+    assert space.string(top) is None  # past every string of that length
+    numbered = ranges_mod._Space([f"img_{i:05d}.jpg" for i in range(1000)])
+    base = numbered.value("img_00999.jpg")
+    step = (base - numbered.value("img_00000.jpg")) // 999
+    assert numbered.string(base + step) == "img_01000.jpg"  # numbered names count in decimal
+    assert numbered.string(base - numbered.value("img_00000.jpg") + base) == "img_01998.jpg"

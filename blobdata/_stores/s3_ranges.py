@@ -3,18 +3,20 @@ list a page-by-page listing gives.
 
 ListObjectsV2 pages follow one another (each continuation token comes with the page before), so a
 prefix of 200,000 keys is 200 round trips in a row. ``start-after`` starts a listing anywhere in the
-key space: after the first page, the rest of the prefix is cut at split strings and each range
-``(after, upto]`` is listed from ``start-after=after``, page by page, until its first key past
-``upto``. The first request of a range is the probe: its first key says where the keys are.
+key space. The first two pages are read one after the other (a prefix that ends within them, such as
+an ImageNet class folder, costs no request more); then the rest of the prefix is cut at split
+strings and each range ``(after, upto]`` is listed from ``start-after=after``, page by page, until its
+first key past ``upto``. The first request of a range is the probe: its first key says where the
+keys are.
 
-Split strings: the keys after the prefix read as numbers (digits from the characters the first page
-holds), and each range is made to span a width meant to hold about one page of keys: the first
-page's width to begin with, doubled after a range that held less than half a page, halved after one
-that held more than two. A range that finds its first key far beyond its
-end (a gap in the key space) makes the next range reach past that key, so a gap costs one request,
-not one per split. Ranges in flight start at 2 per prefix and double as ranges come back, up to the
-lister's share of ``FetchOptions.concurrency``; a range that finds nothing after its start ends the
-listing.
+Split strings: the keys after the prefix read as numbers (:class:`_Space`: at each position, digits
+from the characters the first pages hold there, widened to their class), and each range spans a
+width meant to hold about one page of keys: the first pages' width to begin with, doubled after a
+range that held less than half a page, halved after one that held more than two. A range that finds
+its first key far beyond its end (a gap in the key space) makes the next range reach past that key,
+so a gap costs one request, not one per split. Ranges in flight start at 2 per prefix and double as
+ranges come back, up to ``FetchOptions.concurrency`` (the extra ranges of every prefix of a listing
+share that many slots); a range that finds nothing after its start ends the listing.
 
 Identical to page by page, or page by page: S3 orders keys by their UTF-8 bytes (code points, as
 Python compares strings) and ``start-after`` follows that order. The ranges are checked to have
@@ -22,12 +24,13 @@ done so: each range's keys increase and lie in ``(after, upto]``, and the key th
 is the first key the next one found (the first key after the boundary, either way). A store that
 orders otherwise (SeaweedFS orders by path segment) or ignores ``start-after`` fails a check, and the
 prefix is listed again page by page. Every request is still checked as every page is (ordering,
-tokens, page size, empty pages; :meth:`S3LeanLister._pages`) under the listing's one deadline.
+tokens, page size, empty pages; ``S3LeanLister._pages``) under the listing's one deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -47,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 Found = tuple[str, int, str]  # (full key, size, etag)
 _FIRST_RANGES = 2
+_SEQUENTIAL_PAGES = 2  # pages read one after the other before any range
 
 
 async def list_page_after(
@@ -70,33 +74,49 @@ async def list_page_after(
     return await reader._send(bucket, None, query, {}, timeout, url, on_success, max_body=LIST_BODY_CAP)
 
 
+_CLASSES = ("0123456789", "abcdefghijklmnopqrstuvwxyz", "ABCDEFGHIJKLMNOPQRSTUVWXYZ")
+_PRINTABLE = "".join(chr(c) for c in range(0x21, 0x7F))
+
+
 class _Space:
-    """Key suffixes as numbers: fixed-length digits in the alphabet of the characters seen."""
+    """Key suffixes as numbers in a mixed radix: the digits of position ``i`` are the characters the
+    first page holds there, each widened to its class (a digit to 0-9, a letter to its case's 26), so
+    that numbered and hashed names count as they are made (``img_0999`` + 1 is ``img_1000``)."""
 
     def __init__(self, suffixes: list[str]) -> None:
-        chars = [ord(c) for s in suffixes for c in s] or [0x61]
-        self.lo = max(0x21, min(chars))
-        self.base = max(chars) - self.lo + 2
-        self.digits = max(len(s) for s in suffixes) + 4
+        self.fixed = min(len(s) for s in suffixes)  # positions every key has: no "ended" digit there
+        self.alphabets: list[str] = []
+        for i in range(max(len(s) for s in suffixes) + 4):
+            seen = {s[i] for s in suffixes if i < len(s)}
+            chars = set(seen) if seen else set(_PRINTABLE)
+            for cls in _CLASSES:
+                if seen & set(cls):
+                    chars |= set(cls)
+            self.alphabets.append("".join(sorted(chars)))
+
+    def _radix(self, i: int) -> int:
+        return len(self.alphabets[i]) + (i >= self.fixed)
 
     def value(self, s: str) -> int:
         v = 0
-        for i in range(self.digits):
-            d = min(max(ord(s[i]) - self.lo + 1, 1), self.base - 1) if i < len(s) else 0
-            v = v * self.base + d
+        for i, alphabet in enumerate(self.alphabets):
+            # Where the character sits in the alphabet (one outside it counts as its neighbour below:
+            # the order is kept, not strictly); past ``fixed``, 0 is "the string has ended".
+            d = bisect.bisect_right(alphabet, s[i]) if i < len(s) else 0
+            d = max(d - 1, 0) if i < self.fixed else d
+            v = v * self._radix(i) + d
         return v
 
     def string(self, v: int) -> str | None:
         """A string of about value ``v`` (None: past every string of this length)."""
-        out = []
-        for _ in range(self.digits):
-            v, d = divmod(v, self.base)
-            out.append(d)
+        digits = [0] * len(self.alphabets)
+        for i in reversed(range(len(self.alphabets))):
+            v, digits[i] = divmod(v, self._radix(i))
         if v:
             return None
-        while out and out[0] == 0:
-            out.pop(0)  # trailing zero digits (the list is reversed): the string ends
-        chars = (chr(self.lo - 1 + max(d, 1)) for d in reversed(out))
+        while len(digits) > self.fixed and digits[-1] == 0:
+            digits.pop()  # the string ends
+        chars = (self.alphabets[i][d if i < self.fixed else max(d, 1) - 1] for i, d in enumerate(digits))
         return "".join("\ue000" if "\ud800" <= c <= "\udfff" else c for c in chars)
 
 
@@ -154,28 +174,29 @@ async def list_prefix(
     """Every key under ``prefix``, in the store's order, with ranges listed at once: up to ``limit`` for
     this prefix, each extra range holding one of the lister's ``slots`` while it lists."""
     pages = lister._pages(prefix, None)
-    first = await anext(pages, None)  # type: ignore[arg-type]
-    if first is None:
-        return []
-    found: list[Found] = list(zip(first.keys, first.sizes, first.etags, strict=True))
-    if first.next_token is None or limit < 2 or len(first.keys) < 2:
-        async for page in pages:
-            found.extend(zip(page.keys, page.sizes, page.etags, strict=True))
+    found: list[Found] = []
+    read = 0
+    async for page in pages:  # the first pages one after the other: most prefixes end within them
+        found.extend(zip(page.keys, page.sizes, page.etags, strict=True))
+        read += 1
+        if page.next_token is not None and read >= _SEQUENTIAL_PAGES and limit >= 2 and len(found) >= 2:
+            break
+    else:
         return found
     cut = len(prefix)
-    space = _Space([k[cut:] for k in first.keys])
-    width = max(1, (space.value(first.keys[-1][cut:]) - space.value(first.keys[0][cut:])))
-    width = width * max(len(first.keys), 1) // max(len(first.keys) - 1, 1)
+    keys = [f[0] for f in found]
+    space = _Space([k[cut:] for k in keys])
+    width = max(1, space.value(keys[-1][cut:]) - space.value(keys[0][cut:])) * page_keys // (len(keys) - 1)
 
     def after(key: str, span: int) -> str | None:
         s = space.string(space.value(key[cut:]) + span)
         if s is None:
             return None
         nxt = prefix + s
-        return nxt if nxt > key else key + chr(space.lo)
+        return nxt if nxt > key else key + "!"
 
-    frontier = after(first.keys[-1], width)
-    head = _Range(None, frontier, first_seen=first.keys[0])
+    frontier = after(keys[-1], width)
+    head = _Range(None, frontier, first_seen=keys[0])
     head.found = found
     ranges = [head]
     running: dict[asyncio.Task[_Range], _Range] = {
