@@ -11,8 +11,9 @@ keys are.
 
 Split strings: the keys after the prefix read as numbers (:class:`_Space`: at each position, digits
 from the characters the first pages hold there, widened to their class), and each range spans a
-width meant to hold about one page of keys: the first pages' width to begin with, doubled after a
-range that held less than half a page, halved after one that held more than two. A range that finds
+width meant to hold 0.9 page of keys (so that one request lists it and sees the key past its end):
+the first pages' width to begin with, doubled after a range that held less than half a page, cut by a
+fifth after one that held a page or more. A range that finds
 its first key far beyond its end (a gap in the key space) makes the next range reach past that key,
 so a gap costs one request, not one per split. Ranges in flight start at 2 per prefix and double as
 ranges come back, up to ``FetchOptions.concurrency`` (the extra ranges of every prefix of a listing
@@ -186,7 +187,8 @@ async def list_prefix(
     cut = len(prefix)
     keys = [f[0] for f in found]
     space = _Space([k[cut:] for k in keys])
-    width = max(1, space.value(keys[-1][cut:]) - space.value(keys[0][cut:])) * page_keys // (len(keys) - 1)
+    span = max(1, space.value(keys[-1][cut:]) - space.value(keys[0][cut:]))
+    width = max(1, span * page_keys * 9 // (10 * (len(keys) - 1)))  # 0.9 page: one request a range
 
     def after(key: str, span: int) -> str | None:
         s = space.string(space.value(key[cut:]) + span)
@@ -226,8 +228,8 @@ async def list_prefix(
                 ):  # aim at a page a range: wider after a thin one, narrower after a thick one
                     if len(r.found) < page_keys // 2:
                         width *= 2
-                    elif len(r.found) > 2 * page_keys:
-                        width = max(1, width // 2)
+                    elif len(r.found) >= page_keys:
+                        width = max(1, width * 4 // 5)
                 in_flight = min(limit, in_flight * 2)
     except BaseException:
         for task in running:
