@@ -227,9 +227,12 @@ def listing_part(counts: list[int], delay: float, concurrency: int) -> list[list
             floor = -(-n // 1000) * delay
             seq_wall, seq_cpu, seq = _list_once(info["url"], opts, 1)
             par_wall, par_cpu, par = _list_once(info["url"], opts, concurrency)
-            same = len(seq) == len(par) == n and all(
-                seq.relkey(i) == par.relkey(i) and seq.identity(i) == par.identity(i) for i in range(0, n, 997)
-            ) and bool((seq.sizes == par.sizes).all())  # fmt: skip
+            picks = range(0, n, 997)
+            same = (
+                len(seq) == len(par) == n
+                and all(seq.relkey(i) == par.relkey(i) and seq.identity(i) == par.identity(i) for i in picks)
+                and bool((seq.sizes == par.sizes).all())
+            )
             del seq, par
         finally:
             server.stdin.close()  # type: ignore[union-attr]
