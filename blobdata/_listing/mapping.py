@@ -91,7 +91,11 @@ def _map(path: str, source: str) -> tuple[Buffer, str | None]:
         st = os.fstat(fd)
         if st.st_size < 24:  # shorter than the preamble (an empty file cannot be mapped)
             return os.read(fd, 24), None
-        data = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        try:
+            data: Buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # a file system that cannot map (some FUSE mounts): read it
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                return fh.read(), None
         crc = int.from_bytes(data[20:24], "little")
         return data, _mark_name(st, crc)
     except OSError as exc:
