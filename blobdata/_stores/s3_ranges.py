@@ -35,15 +35,23 @@ import bisect
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from .h1 import Response
 from .s3 import LIST_BODY_CAP, S3Reader
 from .s3xml import ListPage, list_query, parse_list_page
 
-if TYPE_CHECKING:
-    from .s3_listing import S3LeanLister
+
+class _Lister(Protocol):
+    """What this module uses of :class:`~blobdata._stores.s3_listing.S3LeanLister`."""
+
+    url: Any
+
+    def _pages(
+        self, prefix: str, delimiter: str | None, start_after: str | None = None
+    ) -> AsyncIterator[ListPage]: ...
+
 
 __all__ = ["list_prefix", "list_page_after"]
 
@@ -164,13 +172,13 @@ def _consistent(ranges: list[_Range]) -> bool:
     return ranges[-1].sound and ranges[-1].stop is None
 
 
-async def _bounded(slots: asyncio.Semaphore, lister: S3LeanLister, prefix: str, r: _Range) -> _Range:
+async def _bounded(slots: asyncio.Semaphore, lister: _Lister, prefix: str, r: _Range) -> _Range:
     async with slots:
         return await _run(r, lister._pages(prefix, None, start_after=r.after))
 
 
 async def list_prefix(
-    lister: S3LeanLister, prefix: str, limit: int, slots: asyncio.Semaphore, page_keys: int = 1000
+    lister: _Lister, prefix: str, limit: int, slots: asyncio.Semaphore, page_keys: int = 1000
 ) -> list[Found]:
     """Every key under ``prefix``, in the store's order, with ranges listed at once: up to ``limit`` for
     this prefix, each extra range holding one of the lister's ``slots`` while it lists."""
