@@ -68,16 +68,29 @@ def _bits(n: int) -> int:
 
 
 def _network(x: np.ndarray, m: int, keys: np.ndarray) -> np.ndarray:
-    """One pass of the Feistel network over the ``m``-bit integers ``x`` (uint64). ``keys``: shape
-    ``(ROUNDS,)``, or ``(ROUNDS, len(x))`` for a key per element."""
+    """One pass of the Feistel network over the ``m``-bit integers ``x`` (uint64; a new array). ``keys``:
+    shape ``(ROUNDS,)``, or ``(ROUNDS, len(x))`` for a key per element. In place on three work arrays
+    (a third faster than a fresh array per operation)."""
     lw, rw = m // 2, m - m // 2
-    for r in range(ROUNDS):
-        left, right = x >> np.uint64(rw), x & np.uint64((1 << rw) - 1)
-        with np.errstate(over="ignore"):
-            f = _mix64(right * _GOLDEN + keys[r])
-        # (L, R) -> (R, L ^ F(R)): the new left half is R (rw bits), the new right half lw bits.
-        x = (right << np.uint64(lw)) | (left ^ (f & np.uint64((1 << lw) - 1)))
-        lw, rw = rw, lw
+    x = x.copy()
+    right, f, t = np.empty_like(x), np.empty_like(x), np.empty_like(x)
+    with np.errstate(over="ignore"):
+        for r in range(ROUNDS):
+            np.bitwise_and(x, np.uint64((1 << rw) - 1), out=right)
+            np.right_shift(x, np.uint64(rw), out=x)  # the left half
+            np.multiply(right, _GOLDEN, out=f)
+            np.add(f, keys[r], out=f)
+            for shift, mul in ((30, _M1), (27, _M2), (31, None)):  # splitmix64's finaliser, in place
+                np.right_shift(f, np.uint64(shift), out=t)
+                np.bitwise_xor(f, t, out=f)
+                if mul is not None:
+                    np.multiply(f, mul, out=f)
+            # (L, R) -> (R, L ^ F(R)): the new left half is R (rw bits), the new right half lw bits.
+            np.bitwise_and(f, np.uint64((1 << lw) - 1), out=f)
+            np.bitwise_xor(x, f, out=x)
+            np.left_shift(right, np.uint64(lw), out=right)
+            np.bitwise_or(x, right, out=x)
+            lw, rw = rw, lw
     return x
 
 
