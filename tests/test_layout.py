@@ -23,7 +23,7 @@ PLUMBING = {"_config", "_errors", "_loop", "_process", "_retry", "_url"}
 ALLOWED: dict[str, set[str]] = {
     "_node": set(),
     "_metrics": set(),
-    "_stores": set(),
+    "_stores": {"_node"},
     "_cache": set(),
     "_decode": {"_node"},
     "_fetch": {"_node", "_metrics", "_stores"},

@@ -107,6 +107,7 @@ def test_testing_all_is_sorted_and_exact() -> None:
         "LocalGCSEmulator",
         "LocalS3Server",
         "S3Endpoint",
+        "SyntheticListServer",
         "TrainTransform",
         "create_bucket",
         "find_free_port",

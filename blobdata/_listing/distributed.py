@@ -10,7 +10,9 @@ rank has an identical sample table even if the bucket changes meanwhile.
 
 - With an initialised process group, the manifest's bytes are broadcast as a ``uint8`` tensor (its
   length first), never pickled. Every rank must construct the dataset (a collective call); a dataset
-  made on one rank only takes ``share_listing=False``.
+  made on one rank only takes ``share_listing=False``. The first rank of each node to get them writes
+  them once to a file named after the job, the URL and the bytes' checksum (under the directory below),
+  and every rank of the node maps that file: one copy per node, in the page cache.
 - Without one (``torchrun`` set ``WORLD_SIZE`` but ``init_process_group`` has not run yet), rank 0
   writes the manifest atomically to a file named after the job (``TORCHELASTIC_RUN_ID``, the master's
   address and port, the restart count) and the URL, under ``BLOBDATA_SHARED_DIR`` (default: the
@@ -18,6 +20,7 @@ rank has an identical sample table even if the bucket changes meanwhile.
   several nodes that directory must be shared by them; otherwise initialise the process group first.
   Only this user's own regular files are read there, and only from a directory nobody else can
   replace them in (:mod:`blobdata._node.files`); rank 0's ``.error`` file follows no link.
+  Rank 0 and the others then map that file (:mod:`blobdata._listing.mapping`).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._config import cache_home, env, parse_duration
-from .._errors import ConfigError, ManifestError
-from .._node import check_shared_dir, read_own, write_own
+from .._errors import BlobdataError, ConfigError, ManifestError
+from .._node import check_shared_dir, is_own, read_own, write_own
 from .._url import check_relkeys
 from .manifest import Manifest
+from .mapping import publish
 
 __all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"]
 
@@ -101,11 +105,11 @@ def shared_manifest(root: str, make: Callable[[], Manifest], *, key: str = "") -
     if info.world_size == 1:
         return make()
     if info.initialized:
-        return _broadcast(root, make, info)
+        return _broadcast(root, make, info, key)
     return _via_file(root, make, info, key)
 
 
-def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo) -> Manifest:
+def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo, key: str) -> Manifest:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -129,15 +133,39 @@ def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo) -> Manif
         dist.broadcast(torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()).to(device), src=0)
         if error is not None:
             raise error
-        return manifest
+        del manifest
+        return _mapped(root, key, info, payload)
     dist.broadcast(length, src=0)
     n = int(length.item())
     buf = torch.empty(abs(n), dtype=torch.uint8, device=device)
     dist.broadcast(buf, src=0)
     data = buf.cpu().numpy().tobytes()
+    del buf
     if n < 0:
         raise ManifestError(f"rank 0 could not list {root}: {data.decode('utf-8', 'replace')}", url=root)
-    return _received(Manifest.from_bytes(data, source=f"{root} (from rank 0)"), root, f"{root} (from rank 0)")
+    Manifest.from_bytes(data, source=f"{root} (from rank 0)")  # checked before it is written
+    return _received(_mapped(root, key, info, data), root, f"{root} (from rank 0)")
+
+
+def _mapped(root: str, key: str, info: DistInfo, data: bytes) -> Manifest:
+    """The manifest ``data`` as a file of this node (written by its first rank to get here), mapped.
+    Only this user's own file is mapped, in a directory nobody else can replace it in (_node.files):
+    anything else there (another user's, a link) and this rank keeps a private copy instead."""
+    crc = int.from_bytes(data[20:24], "little")
+    path = shared_file(root, f"{key}|{len(data)}|{crc}", info.nnodes)
+    try:
+        check_shared_dir(str(path.parent), setting="BLOBDATA_SHARED_DIR")
+        publish(path, data)
+        if not is_own(str(path)):
+            raise ManifestError(f"{path} was not written", url=str(path))
+        _forget_old(path.parent)
+        return Manifest.load(path, expect_root=root)
+    except (OSError, BlobdataError) as exc:  # no usable directory: this rank keeps a copy
+        import logging
+
+        logging.getLogger("blobdata").warning("could not share the listing of %s through %s (%s): this "
+                                              "process keeps its own copy", root, path, exc)  # fmt: skip
+        return Manifest.from_bytes(data, source=f"{root} (from rank 0)")
 
 
 def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
@@ -166,7 +194,7 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
             raise
         manifest.save(path)  # atomic: the others never see half a file
         _forget_old(path.parent)
-        return manifest
+        return Manifest.load(path, expect_root=root)  # mapped: the node's ranks share its pages
     timeout = parse_duration(env("BLOBDATA_SHARED_TIMEOUT") or 600, name="BLOBDATA_SHARED_TIMEOUT")
     deadline = time.monotonic() + timeout
     while True:
@@ -174,9 +202,8 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
         text = read_own(str(failed), limit=_ERROR_BYTES)
         if text is not None:
             raise ManifestError(f"rank 0 could not list {root}: {text.decode('utf-8', 'replace')}", url=root)
-        data = read_own(str(path))
-        if data is not None:
-            return _received(Manifest.from_bytes(data, source=str(path)), root, str(path))
+        if is_own(str(path)):  # mapped, not read: the node's ranks share its pages
+            return _received(Manifest.load(path, expect_root=root), root, str(path))
         if time.monotonic() > deadline:
             raise ManifestError(
                 f"rank {info.rank} waited {timeout:.0f}s for rank 0's listing of {root} in {path}: "

@@ -381,6 +381,7 @@ def load_or_list(
     if remember:
         try:
             listed.save(path)
-        except OSError as exc:
+            return Manifest.load(path, expect_root=root)  # mapped: shared with the node's other processes
+        except (OSError, ManifestError, NotFound) as exc:
             logger.warning("could not remember the listing of %s in %s: %s", root, path, exc)
     return listed

@@ -17,6 +17,9 @@ arrays                ``keys`` (uint8), ``key_offsets`` (int64, n+1), ``sizes`` 
                       each at a 64-byte aligned offset from the start of the file
 ====================  =====================================================================
 
+A local manifest is mapped read-only, not read (:mod:`blobdata._listing.mapping`): the processes of a
+node share its pages, and its checksum is verified once per file and node.
+
 Keys are stored as the UTF-8 bytes of the key relative to the root (``surrogatepass``, so any
 ``str`` round-trips, including the surrogate-escaped names os.walk yields for undecodable bytes).
 """
@@ -38,8 +41,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .._config import cache_home
-from .._errors import ManifestError, NotFound
-from .._url import parse_url
+from .._errors import ManifestError
+from .mapping import Buffer, is_verified, makedirs_private, mark_verified, read_source
 
 __all__ = ["FORMAT_VERSION", "Manifest", "manifest_path"]
 
@@ -68,6 +71,13 @@ def _join(strings: Sequence[str]) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np
         np.cumsum(np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
     buf = np.frombuffer(b"".join(encoded), dtype=np.uint8)
     return buf, offsets
+
+
+def _decreases(offsets: npt.NDArray[np.int64]) -> bool:
+    """Whether ``offsets`` ever decreases; in slices, so that a mapped manifest's check allocates
+    little (a whole ``np.diff`` would be 8 bytes a sample of anonymous memory)."""
+    step = 1 << 16
+    return any(bool((np.diff(offsets[i : i + step + 1]) < 0).any()) for i in range(0, len(offsets) - 1, step))
 
 
 def _u8(data: npt.ArrayLike | bytes) -> npt.NDArray[np.uint8]:
@@ -213,7 +223,7 @@ class Manifest:
         ):
             if offs.shape != (n + 1,):
                 return f"{name} offsets must have {n + 1} entries, has {offs.shape}"
-            if offs[0] != 0 or offs[-1] != len(buf) or (n and bool(np.any(np.diff(offs) < 0))):
+            if offs[0] != 0 or offs[-1] != len(buf) or (n and _decreases(offs)):
                 return f"{name} offsets do not describe the {len(buf)}-byte buffer"
         if n and (int(self.targets.min()) < 0 or int(self.targets.max()) >= len(self.classes)):
             return f"targets outside 0..{len(self.classes) - 1}"
@@ -318,7 +328,7 @@ class Manifest:
         Missing parent directories are created with mode 0700.
         """
         target = Path(path)
-        _makedirs_private(target.parent)
+        makedirs_private(target.parent)
         data = self.to_bytes()
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".", suffix=".tmp")
         try:
@@ -334,8 +344,10 @@ class Manifest:
             raise
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, source: str = "<bytes>") -> Manifest:
-        """Parse the on-disk form; raise ManifestError naming ``source`` and what is wrong."""
+    def from_bytes(cls, data: Buffer, *, source: str = "<bytes>", verified: bool = False) -> Manifest:
+        """Parse the on-disk form (bytes, or a mapped file: the arrays are views of it); raise
+        ManifestError naming ``source`` and what is wrong. ``verified``: the checksum already passed
+        on this node (see :mod:`blobdata._listing.mapping`), so it is not computed again."""
 
         def bad(what: str) -> ManifestError:
             return ManifestError(
@@ -352,7 +364,7 @@ class Manifest:
             raise bad(f"format version {version}, this blobdata reads version {FORMAT_VERSION}")
         if _PREAMBLE.size + head_len > len(data):
             raise bad("truncated header")
-        if zlib.crc32(memoryview(data)[_PREAMBLE.size :]) != expected_crc:
+        if not verified and zlib.crc32(memoryview(data)[_PREAMBLE.size :]) != expected_crc:
             raise bad(f"checksum mismatch: the {len(data)}-byte file is corrupt or truncated")
         try:
             header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + head_len].decode("ascii"))
@@ -418,14 +430,18 @@ class Manifest:
         expect_root: str | None = None,
         progress: bool | None = None,
     ) -> Manifest:
-        """Read a manifest from a local path or a URL (s3://, gs://, az://, memory://; with a bar).
+        """Read a manifest from a local path (mapped read-only, its checksum verified once per node:
+        :mod:`blobdata._listing.mapping`) or a URL (s3://, gs://, az://, memory://; with a bar).
 
         ``expect_root``: the canonical root URL the manifest must be for (ManifestError otherwise).
         A missing file raises NotFound (or the error class of the store).
         """
         source = os.fspath(path_or_url)
-        data = _read(source, storage_options, progress)
-        manifest = cls.from_bytes(data, source=source)
+        data, mark = read_source(source, storage_options, progress)
+        known = is_verified(mark)
+        manifest = cls.from_bytes(data, source=source, verified=known)
+        if not known:
+            mark_verified(mark)
         if expect_root is not None and manifest.root != expect_root:
             raise ManifestError(
                 f"manifest {source} lists {manifest.root}, not {expect_root}: pass the manifest made for "
@@ -433,53 +449,6 @@ class Manifest:
                 url=source,
             )
         return manifest
-
-
-def _read(source: str, storage_options: Mapping[str, Any] | None, progress: bool | None = None) -> bytes:
-    if "://" not in source or source.startswith("file://"):
-        path = source[len("file://") :] if source.startswith("file://") else source
-        try:
-            return Path(path).expanduser().read_bytes()
-        except FileNotFoundError:
-            raise NotFound(f"manifest {source} does not exist", url=source) from None
-        except OSError as exc:
-            raise ManifestError(
-                f"manifest {source} cannot be read: {exc.strerror or exc}", url=source
-            ) from exc
-    # Late: fsspec and the store clients are not needed to read a local manifest.
-    from .._loop import run
-    from .._metrics import progress as _progress
-    from .._retry import final_error
-    from .._stores import credential_hint, get_fs, resolve_storage_options
-
-    url = parse_url(source)
-    fs = get_fs(url.protocol, resolve_storage_options(url.protocol, storage_options))
-
-    async def fetch() -> bytes:
-        if getattr(fs, "async_impl", False):
-            return bytes(await fs._cat_file(url.fs_path))
-        return bytes(fs.cat_file(url.fs_path))
-
-    try:
-        show = _progress.enabled(progress) and url.protocol != "memory"
-        return _progress.download(fs, url.fs_path, f"manifest {source}", progress) if show else run(fetch())
-    except Exception as exc:
-        raise final_error(exc, source, hint=credential_hint(url.protocol), what="manifest") from exc
-
-
-def _makedirs_private(path: Path) -> None:
-    """Create ``path`` and missing parents with mode 0700 (existing directories are left alone)."""
-    missing: list[Path] = []
-    p = path
-    while not p.exists():
-        missing.append(p)
-        if p.parent == p:
-            break
-        p = p.parent
-    for d in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            d.mkdir(mode=0o700)
-        os.chmod(d, 0o700)  # mkdir's mode is reduced by the umask
 
 
 def manifest_path(root: str, options_token: str, params: Mapping[str, Any] | None = None) -> Path:

@@ -13,13 +13,14 @@ module             its one job
 from __future__ import annotations
 
 from . import shm
-from .files import check_shared_dir, read_own, write_own
+from .files import check_shared_dir, is_own, read_own, write_own
 from .owners import alive, per_user_dir, remove_owned_tree, started
 from .shm import make_locked_dir, make_owned_dir, shm_root, sweep, user_dir
 
 __all__ = [
     "alive",
     "check_shared_dir",
+    "is_own",
     "make_locked_dir",
     "make_owned_dir",
     "per_user_dir",

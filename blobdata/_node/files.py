@@ -59,6 +59,24 @@ def check_shared_dir(directory: str, *, setting: str) -> None:
 def read_own(path: str, *, limit: int = -1) -> bytes | None:
     """The bytes of ``path`` (at most ``limit`` if >= 0), or None if it does not exist; ConfigError if
     it is a link, not a regular file, another user's, or writable by group or others."""
+    fd = _open_own(path)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read(limit) if limit >= 0 else fh.read()
+
+
+def is_own(path: str) -> bool:
+    """Whether ``path`` exists as this user's own file (False if it does not exist); ConfigError as
+    :func:`read_own` if it is there but not to be trusted. For a file to be mapped, not read."""
+    fd = _open_own(path)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
+def _open_own(path: str) -> int | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -69,18 +87,18 @@ def read_own(path: str, *, limit: int = -1) -> bytes | None:
                 f"{path} is a symbolic link; remove it (rm the link, not its target)", url=path
             ) from None
         raise
-    with os.fdopen(fd, "rb") as fh:
-        st = os.fstat(fd)
-        problem = None
-        if not stat.S_ISREG(st.st_mode):
-            problem = "it is not a regular file"
-        elif st.st_uid != os.geteuid():
-            problem = f"it is owned by {_you(st.st_uid)}"
-        elif st.st_mode & _OTHERS_WRITE:
-            problem = f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-        if problem is not None:
-            raise ConfigError(f"{path} is not trusted: {problem}; remove it, it is not your ranks'", url=path)
-        return fh.read(limit) if limit >= 0 else fh.read()
+    st = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "it is not a regular file"
+    elif st.st_uid != os.geteuid():
+        problem = f"it is owned by {_you(st.st_uid)}"
+    elif st.st_mode & _OTHERS_WRITE:
+        problem = f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    if problem is not None:
+        os.close(fd)
+        raise ConfigError(f"{path} is not trusted: {problem}; remove it, it is not your ranks'", url=path)
+    return fd
 
 
 def write_own(path: str, data: bytes) -> None:

@@ -4,6 +4,7 @@ loader's resumable position.
 =================  ==========================================================================
 module             its one job
 =================  ==========================================================================
+``keyed``          a keyed permutation of ``0..n-1`` evaluated at any positions (Feistel network)
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
 ``resume``         the loader's position (``state_dict``), elastic resume at another world size
@@ -21,11 +22,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .identity import ServedDigest, compare_runs, listing_digest, run_identity
+from .keyed import permute, round_keys
 from .rng import SampleDraws, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
 from .rng import current as current_sample
 from .rng import enter as enter_sample
 from .rng import leave as leave_sample
-from .shares import Layout, canonical_nodes, epoch_orders, fixed_order, node_share, rank_stream
+from .shares import (
+    Layout,
+    canonical_nodes,
+    epoch_orders,
+    fixed_order,
+    node_share,
+    rank_indices,
+    rank_stream,
+)
 
 if TYPE_CHECKING:
     from .partition import PartitionedSampler
@@ -54,7 +64,10 @@ __all__ = [
     "loader_seed",
     "node_share",
     "own_generator",
+    "permute",
+    "rank_indices",
     "rank_stream",
+    "round_keys",
     "run_identity",
     "sample_key",
     "sample_rng",

@@ -26,7 +26,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .._config import env
 from .._errors import ConfigError
 from .._listing import dist_info
-from .shares import Layout, canonical_nodes, epoch_orders, node_share, rank_stream
+from .shares import Layout, canonical_nodes, node_share, rank_indices
 
 __all__ = ["PartitionedSampler"]
 
@@ -134,11 +134,11 @@ class PartitionedSampler(DistributedSampler[int]):
                tuple((lay.nnodes, lay.nproc, c) for lay, c in self.consumed))  # fmt: skip
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
-        (order,) = epoch_orders(
-            n, seed=self.seed, epoch=self.epoch, layout=self.layout, shuffle=self.shuffle, mix=self.mix,
-            drop_last=self.drop_last, consumed=self.consumed, nodes=[self.node_rank],
+        stream = rank_indices(
+            n, seed=self.seed, epoch=self.epoch, layout=self.layout, node=self.node_rank,
+            local_rank=self.local_rank, shuffle=self.shuffle, mix=self.mix, drop_last=self.drop_last,
+            consumed=self.consumed,
         )  # fmt: skip
-        stream = rank_stream(order, self.nproc_per_node, self.local_rank)
         self._memo = (key, stream)
         return stream
 

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data
 from torch.utils.data.distributed import DistributedSampler
@@ -36,12 +37,14 @@ from torch.utils.data.distributed import DistributedSampler
 from .._errors import ConfigError
 from .._listing import dist_info
 from .identity import ServedDigest, differences
+from .keyed import permute, round_keys
 from .partition import PartitionedSampler
 from .rng import epoch_seed
 
 __all__ = ["STATE_VERSION", "ElasticDistributedSampler", "Progress", "node_share", "own_generator"]
 
 STATE_VERSION = 2  # 2: with the run's identity, the digest of the indices served and the augmentation seed
+_ELASTIC = 5  # the salt of the keyed global order (shares.py uses 1-4)
 
 
 class ElasticDistributedSampler(DistributedSampler[int]):
@@ -51,6 +54,12 @@ class ElasticDistributedSampler(DistributedSampler[int]):
     ``num_replicas`` and ``rank`` default to the job's (process group or torchrun's variables).
     ``start`` is the number of positions of the epoch's global order already consumed; a loader's
     ``load_state_dict`` sets it, and ``set_epoch`` to another epoch resets it to 0.
+
+    ``permutation``: ``"torch"`` (default) is ``DistributedSampler``'s ``torch.randperm`` of the whole
+    dataset on every rank (8 bytes a sample, e.g. 800 MB per rank at 100 M samples); ``"keyed"`` is a
+    keyed permutation (:mod:`blobdata._sampling.keyed`, fixed by ``seed`` and the epoch) evaluated at
+    this rank's positions only: O(its share) time and memory, another order than ``DistributedSampler``'s
+    (a loader state saved with one does not resume with the other).
     """
 
     def __init__(
@@ -61,7 +70,13 @@ class ElasticDistributedSampler(DistributedSampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        *,
+        permutation: str = "torch",
     ) -> None:
+        if permutation not in ("torch", "keyed"):
+            raise ConfigError(
+                f'ElasticDistributedSampler: permutation must be "torch" or "keyed", got {permutation!r}'
+            )
         info = dist_info() if num_replicas is None or rank is None else None
         super().__init__(
             dataset,
@@ -71,6 +86,7 @@ class ElasticDistributedSampler(DistributedSampler[int]):
             seed=seed,
             drop_last=drop_last,
         )
+        self.permutation = permutation
         self.start = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -78,14 +94,22 @@ class ElasticDistributedSampler(DistributedSampler[int]):
             self.start = 0
         super().set_epoch(epoch)
 
-    def global_order(self) -> list[int]:
-        """The epoch's global order (unpadded), the same on every rank."""
+    def _at(self, positions: np.ndarray) -> np.ndarray:
+        """The epoch's global order at ``positions`` (int64)."""
         n = len(self.dataset)  # type: ignore[arg-type]
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            return torch.randperm(n, generator=g).tolist()
-        return list(range(n))
+        if not self.shuffle:
+            return positions
+        if self.permutation == "keyed":
+            return permute(positions, n, round_keys(self.seed, self.epoch, _ELASTIC))
+        g = torch.Generator()
+        g.manual_seed(self.seed + self.epoch)
+        perm = torch.randperm(n, generator=g)
+        return perm[torch.from_numpy(positions)].numpy()
+
+    def global_order(self) -> list[int]:
+        """The epoch's global order (unpadded), the same on every rank (O(n): for inspection)."""
+        order: list[int] = self._at(np.arange(len(self.dataset), dtype=np.int64)).tolist()  # type: ignore[arg-type]
+        return order
 
     def _per_rank(self, remaining: int) -> int:
         w = self.num_replicas
@@ -94,12 +118,17 @@ class ElasticDistributedSampler(DistributedSampler[int]):
     def __len__(self) -> int:
         return self._per_rank(max(0, len(self.dataset) - self.start))  # type: ignore[arg-type]
 
+    def indices(self) -> np.ndarray:
+        """This rank's samples for the current epoch, in the order ``__iter__`` yields them (int64): the
+        rest of the global order from ``start``, dealt round-robin, its tail padded by repeating its
+        start (as ``DistributedSampler`` does) or cut (``drop_last``)."""
+        rest = max(0, len(self.dataset) - self.start)  # type: ignore[arg-type]
+        total = self._per_rank(rest) * self.num_replicas
+        mine = np.arange(self.rank, total, self.num_replicas, dtype=np.int64)
+        return self._at(self.start + mine % max(rest, 1))
+
     def __iter__(self) -> Iterator[int]:
-        rest = self.global_order()[self.start :]
-        total = self._per_rank(len(rest)) * self.num_replicas
-        if total > len(rest) and rest:  # pad by repeating the start of the rest, as DistributedSampler does
-            rest = (rest * math.ceil(total / len(rest)))[:total]
-        return iter(rest[self.rank : total : self.num_replicas])
+        return iter(self.indices().tolist())
 
 
 class _Sized:
@@ -149,7 +178,8 @@ def capture(sampler: Any) -> dict[str, Any]:
     if isinstance(sampler, PartitionedSampler):
         return sampler.loader_state()
     if isinstance(sampler, ElasticDistributedSampler):
-        return {"kind": "elastic", "seed": sampler.seed, "epoch": sampler.epoch, "start": sampler.start}
+        state = {"kind": "elastic", "seed": sampler.seed, "epoch": sampler.epoch, "start": sampler.start}
+        return state if sampler.permutation == "torch" else {**state, "permutation": sampler.permutation}
     if isinstance(sampler, DistributedSampler):
         return {"kind": "distributed", "seed": sampler.seed, "epoch": sampler.epoch}
     gen = getattr(sampler, "generator", None)
@@ -302,6 +332,12 @@ class Progress:
             if int(saved["seed"]) != self.sampler.seed and strict:
                 raise ConfigError(
                     f"the state's sampler seed is {saved['seed']}, this sampler's {self.sampler.seed}"
+                )
+            was, now = saved.get("permutation", "torch"), here.get("permutation", "torch")
+            if was != now:
+                raise ConfigError(
+                    f"the state was saved with an ElasticDistributedSampler of permutation={was!r}, this "
+                    f"one has {now!r}: its order would differ, so it cannot resume there"
                 )
             self.sampler.set_epoch(int(saved["epoch"]))
         self._resumed, self._elastic_resume = 0, False

@@ -1,25 +1,27 @@
 """Which samples each node reads, as plain numpy (no torch): the arithmetic of
 :class:`~blobdata.PartitionedSampler`, also used by ``blobdata warm --nnodes`` and the benchmarks.
 
-* The samples are put in one random order fixed by ``seed`` alone (a keyed hash of each index,
-  sorted). Canonical share ``k`` of ``K`` is the slice ``[k*n//K, (k+1)*n//K)`` of it, a random mix
-  of the whole dataset (a listing is sorted by class, so index ranges would not be). Node ``j`` of
-  ``N`` holds the slice ``[j*n//N, (j+1)*n//N)``: with ``K`` a multiple of ``N``, exactly canonical
-  shares ``j*K/N .. (j+1)*K/N - 1``; with ``N`` a multiple of ``K``, a fixed part of one. Sizes
-  differ by at most one sample, and a node's share is the same every epoch.
-* Every epoch has one global order (the samples sorted by a hash keyed by ``seed`` and the epoch);
-  a node reads its share in that order (:func:`epoch_orders`) and its ranks deal it round-robin
-  (:func:`rank_stream`). Each node's order is made ``P * ceil(n / W)`` long by repeating its start
-  (``DistributedSampler``'s padding, from the node's own share: a padded sample is a cache hit), or
-  ``P * (n // W)`` with ``drop_last``.
-* ``mix``: each epoch, ``round(mix * size)`` samples of each share (chosen afresh) are pooled,
-  shuffled and dealt back, as many to each node as it gave.
+* The samples are put in one random order fixed by ``seed`` alone: a keyed permutation ``pi`` of
+  ``0..n-1`` (:mod:`blobdata._sampling.keyed`, a Feistel network evaluated at any positions). Canonical
+  share ``k`` of ``K`` is ``pi`` at positions ``[k*n//K, (k+1)*n//K)``, a random mix of the whole
+  dataset (a listing is sorted by class, so index ranges would not be). Node ``j`` of ``N`` holds
+  positions ``[j*n//N, (j+1)*n//N)``: with ``K`` a multiple of ``N``, exactly canonical shares
+  ``j*K/N .. (j+1)*K/N - 1``; with ``N`` a multiple of ``K``, a fixed part of one. Sizes differ by at
+  most one sample, and a node's share is the same every epoch.
+* Every epoch, node ``j`` reads its share in the order of a second keyed permutation (of its share's
+  positions, keyed by ``seed``, the epoch and ``j``; :func:`epoch_orders`) and its ranks deal it
+  round-robin (:func:`rank_stream`). Each node's order is made ``P * ceil(n / W)`` long by repeating
+  its start (``DistributedSampler``'s padding, from the node's own share: a padded sample is a cache
+  hit), or ``P * (n // W)`` with ``drop_last``.
+* ``mix``: each epoch, ``round(mix * size)`` samples of each share (chosen afresh by a keyed
+  permutation of the share) are pooled, permuted and dealt back, as many to each node as it gave.
 * A resumed epoch (``consumed``): the same layout continues its order; another layout replays the
   earlier ones to find what was read, each new node takes what is left of its own share, nodes with
   more than their part give the excess to the others, and the tail is padded as above.
 
-Vectorised: one sort of ``n`` keys per seed (cached), one sort of the node's share per epoch
-(``mix``: one sort of ``n`` keys per epoch). The hash is splitmix64's finaliser, not numpy's
+Cost: a rank's epoch (:func:`rank_indices`) evaluates the permutations at that rank's positions only,
+O(its share) time and memory whatever ``n`` (``shuffle=False`` sorts its node's share; a resume at
+another layout replays every node: O(n), once). The hashes are splitmix64's finaliser, not numpy's
 generators, so a share does not depend on numpy's version (a cache warmed by one serves another).
 """
 
@@ -32,25 +34,22 @@ from collections.abc import Sequence
 import numpy as np
 
 from .._errors import ConfigError
+from .keyed import _mix64, permute, round_keys
 
-__all__ = ["Layout", "canonical_nodes", "epoch_orders", "fixed_order", "node_share", "rank_stream"]
+__all__ = [
+    "Layout",
+    "canonical_nodes",
+    "epoch_orders",
+    "fixed_order",
+    "node_share",
+    "rank_indices",
+    "rank_stream",
+]
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MASK64 = (1 << 64) - 1
-# Salts, so that the share, the epoch order and the mix draw independent keys.
+# Salts, so that the share, the epoch order and the mix draw independent permutations.
 _SHARE, _ORDER, _MOVE, _POOL = 1, 2, 3, 4
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise on uint64 (a bijection: distinct inputs, distinct keys)."""
-    x = x ^ (x >> np.uint64(30))
-    x = x * _M1
-    x = x ^ (x >> np.uint64(27))
-    x = x * _M2
-    out: np.ndarray = x ^ (x >> np.uint64(31))
-    return out
 
 
 def _base(*salt: int) -> np.uint64:
@@ -60,28 +59,31 @@ def _base(*salt: int) -> np.uint64:
     return np.uint64(h)  # type: ignore[no-any-return]
 
 
-def _keys(items: np.ndarray, *salt: int) -> np.ndarray:
-    """A random-looking, distinct uint64 key per sample index, fixed by ``salt``."""
-    with np.errstate(over="ignore"):
-        return _mix64(items.astype(np.uint64) * _GOLDEN + _base(*salt))
-
-
 def _by_key(items: np.ndarray, *salt: int) -> np.ndarray:
-    """``items`` ordered by their keys (a uniform random order of the set, whatever its input order)."""
-    return items[np.argsort(_keys(items, *salt), kind="stable")]
+    """``items`` ordered by a keyed hash of each (a uniform random order of the set, whatever its input
+    order): the order of what is left of a share after a resume at another layout."""
+    with np.errstate(over="ignore"):
+        keys = _mix64(items.astype(np.uint64) * _GOLDEN + _base(*salt))
+    return items[np.argsort(keys, kind="stable")]
+
+
+def _share_keys(seed: int) -> np.ndarray:
+    return round_keys(seed, _SHARE)
 
 
 @functools.lru_cache(maxsize=4)
 def fixed_order(n: int, seed: int) -> np.ndarray:
-    """The samples ``0..n-1`` in the random order that shares are slices of (fixed by ``seed``)."""
-    order = _by_key(np.arange(n, dtype=np.int64), seed, _SHARE)
+    """The samples ``0..n-1`` in the random order that shares are slices of (fixed by ``seed``): the
+    whole permutation, O(n); the samplers evaluate it at their own positions instead."""
+    order = permute(np.arange(n, dtype=np.int64), n, _share_keys(seed))
     order.setflags(write=False)
     return order
 
 
 def node_share(n: int, *, seed: int, nnodes: int, node: int) -> np.ndarray:
     """The samples node ``node`` of ``nnodes`` holds every epoch (without ``mix``), in index order."""
-    return np.sort(fixed_order(n, seed)[node * n // nnodes : (node + 1) * n // nnodes])
+    lo, hi = node * n // nnodes, (node + 1) * n // nnodes
+    return np.sort(permute(np.arange(lo, hi, dtype=np.int64), n, _share_keys(seed)))
 
 
 def canonical_nodes(k: int | None, nnodes: int) -> int:
@@ -114,26 +116,62 @@ class Layout:
         return self.nnodes * self.nproc
 
 
-def _epoch_sets(
-    n: int, seed: int, epoch: int, nnodes: int, mix: float, nodes: Sequence[int]
-) -> list[np.ndarray]:
-    """The samples each node in ``nodes`` reads in ``epoch``: its share, with ``mix`` exchanged."""
-    order = fixed_order(n, seed)
-    bounds = [j * n // nnodes for j in range(nnodes + 1)]
-    if mix <= 0:
-        return [order[bounds[j] : bounds[j + 1]] for j in nodes]
-    # Movers: in each share, the round(mix * size) samples with the smallest keys of this epoch.
-    node_of = np.repeat(np.arange(nnodes, dtype=np.uint64), np.diff(bounds))
-    keys = _keys(order, seed, epoch, _MOVE) >> np.uint64(20)  # 44 bits of key under the node's id
-    ranked = order[np.argsort((node_of << np.uint64(44)) | keys, kind="stable")]
-    counts = [round(mix * (bounds[j + 1] - bounds[j])) for j in range(nnodes)]
-    movers = [ranked[bounds[j] : bounds[j] + counts[j]] for j in range(nnodes)]
-    pool = _by_key(np.concatenate(movers), seed, epoch, _POOL)
-    given = np.concatenate([[0], np.cumsum(counts)])
-    return [
-        np.concatenate([ranked[bounds[j] + counts[j] : bounds[j + 1]], pool[given[j] : given[j + 1]]])
-        for j in nodes
-    ]
+class _Epoch:
+    """One epoch's sets at ``nnodes`` nodes, evaluated at any indices: node ``j``'s set is ``size(j)``
+    samples (its share, with ``mix`` exchanged), and :meth:`order` is the order its ranks deal."""
+
+    def __init__(self, n: int, seed: int, epoch: int, nnodes: int, mix: float) -> None:
+        self.n, self.seed, self.epoch, self.nnodes = n, seed, epoch, nnodes
+        self.bounds = np.array([j * n // nnodes for j in range(nnodes + 1)], dtype=np.int64)
+        sizes = np.diff(self.bounds)
+        self.movers = np.array([round(mix * int(s)) for s in sizes] if mix > 0 else [0] * nnodes, np.int64)
+        self.given = np.concatenate([[0], np.cumsum(self.movers)]).astype(np.int64)
+        self.share_keys = _share_keys(seed)
+
+    def size(self, j: int) -> int:
+        return int(self.bounds[j + 1] - self.bounds[j])
+
+    def _moved(self, j: int, idx: np.ndarray) -> np.ndarray:
+        """Share ``j``'s samples at ``idx`` of this epoch's permutation of it (its movers first)."""
+        size = self.size(j)
+        if self.movers[j]:
+            idx = permute(idx, size, round_keys(self.seed, self.epoch, _MOVE, j))
+        return permute(self.bounds[j] + idx, self.n, self.share_keys)
+
+    def at(self, j: int, idx: np.ndarray) -> np.ndarray:
+        """Node ``j``'s set at indices ``idx``: its stayers, then what the pool deals it."""
+        stay = self.size(j) - int(self.movers[j])
+        out = np.empty(len(idx), dtype=np.int64)
+        own = idx < stay
+        out[own] = self._moved(j, idx[own] + int(self.movers[j]))
+        if not own.all():
+            pool = permute(self.given[j] + idx[~own] - stay, int(self.given[-1]),
+                           round_keys(self.seed, self.epoch, _POOL))  # fmt: skip
+            src = np.searchsorted(self.given, pool, side="right") - 1
+            got = np.empty(len(pool), dtype=np.int64)
+            for k in np.unique(src).tolist():
+                mine = src == k
+                got[mine] = self._moved(k, pool[mine] - self.given[k])
+            out[~own] = got
+        return out
+
+    def whole(self, j: int) -> np.ndarray:
+        return self.at(j, np.arange(self.size(j), dtype=np.int64))
+
+    def order(self, j: int, positions: np.ndarray, shuffle: bool) -> np.ndarray:
+        """Node ``j``'s epoch order at ``positions`` (any ``>= 0``): its set in a keyed random order
+        (index order without ``shuffle``), repeated from its start past its end (the padding)."""
+        size = self.size(j)
+        if size == 0:  # fewer samples than nodes: this node pads with sample 0
+            return np.zeros(len(positions), dtype=np.int64)
+        idx = np.asarray(positions, dtype=np.int64) % size
+        if not shuffle:
+            return np.sort(self.whole(j))[idx]
+        return self.at(j, permute(idx, size, round_keys(self.seed, self.epoch, _ORDER, j)))
+
+
+def _per_rank(total: int, layout: Layout, drop_last: bool) -> int:
+    return total // layout.world if drop_last else -(-total // layout.world)
 
 
 def _ordered(items: np.ndarray, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -143,11 +181,8 @@ def _ordered(items: np.ndarray, seed: int, epoch: int, shuffle: bool) -> np.ndar
 def _fit(orders: list[np.ndarray], total: int, layout: Layout, drop_last: bool) -> list[np.ndarray]:
     """Each node's order made ``nproc * L`` long (``L`` per rank: ``total`` samples over the layout's
     ranks, as ``DistributedSampler`` counts): a node with more than that gives its tail to nodes with
-    less, then each pads by repeating its start. ``orders`` may be some nodes' only when no node has
-    less than its part (nothing consumed: a share holds at least ``nproc * L``, or ``drop_last``)."""
-    world, nproc = layout.world, layout.nproc
-    per_rank = total // world if drop_last else -(-total // world)
-    want = nproc * per_rank
+    less, then each pads by repeating its start."""
+    want = layout.nproc * _per_rank(total, layout, drop_last)
     spill = np.concatenate([o[want:] for o in orders] + [np.zeros(0, np.int64)])
     out = []
     for o in orders:
@@ -160,6 +195,17 @@ def _fit(orders: list[np.ndarray], total: int, layout: Layout, drop_last: bool) 
             o = np.resize(pad if len(pad) else np.zeros(1, np.int64), want)  # fewer samples than nodes: 0
         out.append(o.astype(np.int64, copy=False))
     return out
+
+
+def _same_layout_cut(consumed: Sequence[tuple[Layout, int]], layout: Layout, length: int) -> int | None:
+    """Positions of each node's order already read when every part of ``consumed`` ran at ``layout``
+    (the order goes on where it stopped); None when some part ran at another layout."""
+    cut = 0
+    for lay, per_rank in consumed:
+        if lay != layout:
+            return None
+        cut += lay.nproc * max(0, min(per_rank, (length - cut) // lay.nproc))
+    return cut
 
 
 def epoch_orders(
@@ -177,15 +223,19 @@ def epoch_orders(
     """Each node's order for ``epoch`` (``nproc * L`` samples; its ranks deal it round-robin).
 
     ``consumed`` lists the earlier parts of this epoch: ``(layout, samples per rank)`` each, oldest
-    first. ``nodes`` limits the work to those nodes when nothing was consumed (one rank needs one)."""
-    layouts = [lay for lay, _ in consumed] + [layout]
-    first = layouts[0]
-    wanted = list(range(first.nnodes)) if consumed or nodes is None else list(nodes)
-    sets = _epoch_sets(n, seed, epoch, first.nnodes, mix, wanted)
-    orders = _fit([_ordered(s, seed, epoch, shuffle) for s in sets], n, first, drop_last)
-    if not consumed:
-        return orders
+    first. ``nodes`` limits the work to those nodes (all of them are replayed when ``consumed`` holds
+    another layout)."""
+    first = consumed[0][0] if consumed else layout
+    want = first.nproc * _per_rank(n, first, drop_last)
+    wanted = list(range(layout.nnodes)) if nodes is None else list(nodes)
+    cut = _same_layout_cut(consumed, layout, want)
+    if cut is not None:  # no other layout: each node's order from where it stopped, node by node
+        ep = _Epoch(n, seed, epoch, layout.nnodes, mix)
+        return [ep.order(j, np.arange(cut, want, dtype=np.int64), shuffle) for j in wanted]
+    ep = _Epoch(n, seed, epoch, first.nnodes, mix)
+    orders = [ep.order(j, np.arange(want, dtype=np.int64), shuffle) for j in range(first.nnodes)]
     taken = np.zeros(n, dtype=bool)
+    layouts = [lay for lay, _ in consumed] + [layout]
     for (lay, per_rank), nxt in zip(consumed, layouts[1:], strict=True):
         cut = lay.nproc * max(0, min(per_rank, len(orders[0]) // lay.nproc))
         for o in orders:
@@ -193,9 +243,37 @@ def epoch_orders(
         orders = [o[cut:] for o in orders]
         if nxt == lay:
             continue  # the same layout goes on with the same order
-        left = [s[~taken[s]] for s in _epoch_sets(n, seed, epoch, nxt.nnodes, mix, range(nxt.nnodes))]
+        ep = _Epoch(n, seed, epoch, nxt.nnodes, mix)
+        left = [s[~taken[s]] for s in (ep.whole(j) for j in range(nxt.nnodes))]
         orders = _fit([_ordered(s, seed, epoch, shuffle) for s in left], int((~taken).sum()), nxt, drop_last)
-    return orders if nodes is None else [orders[j] for j in nodes]
+    return [orders[j] for j in wanted]
+
+
+def rank_indices(
+    n: int,
+    *,
+    seed: int,
+    epoch: int,
+    layout: Layout,
+    node: int,
+    local_rank: int,
+    shuffle: bool = True,
+    mix: float = 0.0,
+    drop_last: bool = False,
+    consumed: Sequence[tuple[Layout, int]] = (),
+) -> np.ndarray:
+    """What rank ``local_rank`` of node ``node`` reads in ``epoch``: ``rank_stream`` of its node's
+    :func:`epoch_orders`, computed at that rank's positions only (O(its share)) unless ``consumed``
+    holds another layout."""
+    first = consumed[0][0] if consumed else layout
+    want = first.nproc * _per_rank(n, first, drop_last)
+    cut = _same_layout_cut(consumed, layout, want)
+    if cut is None:
+        (order,) = epoch_orders(n, seed=seed, epoch=epoch, layout=layout, shuffle=shuffle, mix=mix,
+                                drop_last=drop_last, consumed=consumed, nodes=[node])  # fmt: skip
+        return rank_stream(order, layout.nproc, local_rank)
+    positions = np.arange(cut + local_rank, want, layout.nproc, dtype=np.int64)
+    return _Epoch(n, seed, epoch, layout.nnodes, mix).order(node, positions, shuffle)
 
 
 def rank_stream(order: np.ndarray, nproc: int, local_rank: int) -> np.ndarray:

@@ -10,6 +10,9 @@ again is an error), keys and common prefixes must increase from entry to entry a
 page may hold no more entries than asked for, 1,000 pages in a row without an entry is an error,
 and the whole listing has a deadline (``FetchOptions.listing_timeout``). Keys and prefixes outside
 the requested prefix are dropped, and named in one warning when the listing ends.
+
+A prefix of more than one page is listed in key ranges at once (:mod:`.s3_ranges`): the same keys in
+the same order as page by page, each range's pages checked as above.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .._url import BlobURL
 from .base import Entry
 from .fsspec import bounded
 from .s3 import STORE, S3Reader
+from .s3_ranges import list_page_after, list_prefix
 from .s3xml import ListPage
 
 __all__ = ["S3LeanLister", "S3fsLister", "identity", "lean_s3"]
@@ -133,6 +137,7 @@ class S3LeanLister:
         self.options = options
         self.base = url.prefix + "/" if url.prefix else ""
         self._deadline: float | None = None
+        self._slots: asyncio.Semaphore | None = None  # for the extra ranges of every prefix together
         self._outside: list[str] = []  # the first keys outside the requested prefix
         self._outside_count = 0
 
@@ -141,17 +146,29 @@ class S3LeanLister:
         return FetchError(f"listing of {root} failed: {what}; retry later, or check what answers for "
                           "the endpoint (a proxy or gateway)", url=root)  # fmt: skip
 
-    async def _page(self, prefix: str, delimiter: str | None, token: str | None, pages: int) -> ListPage:
-        """One page under the retry budget and the listing's deadline."""
+    async def _page(
+        self,
+        prefix: str,
+        delimiter: str | None,
+        token: str | None,
+        pages: int,
+        start_after: str | None = None,
+    ) -> ListPage:
+        """One page under the retry budget and the listing's deadline (``start_after``: the first page of
+        a range, :mod:`.s3_ranges`)."""
         bucket, opts, root = self.url.bucket, self.options, str(self.url)
         loop = asyncio.get_running_loop()
         if self._deadline is None:
             self._deadline = loop.time() + opts.listing_timeout
         left = self._deadline - loop.time()
+        timeout = min(opts.timeout, max(left, 0.001))
         call = functools.partial(
             self.reader.list_page, bucket, prefix, delimiter=delimiter, continuation=token,
-            timeout=min(opts.timeout, max(left, 0.001)), max_keys=_PAGE_KEYS,
+            timeout=timeout, max_keys=_PAGE_KEYS,
         )  # fmt: skip
+        if start_after is not None and token is None:
+            call = functools.partial(list_page_after, self.reader, bucket, prefix, start_after,
+                                     timeout=timeout, max_keys=_PAGE_KEYS)  # fmt: skip
         try:
             if left <= 0:
                 raise TimeoutError
@@ -178,14 +195,17 @@ class S3LeanLister:
                 url=root,
             ) from None
 
-    async def _pages(self, prefix: str, delimiter: str | None) -> AsyncIterator[ListPage]:
-        """The pages of one listing of ``prefix``, each checked; entries outside it dropped."""
+    async def _pages(
+        self, prefix: str, delimiter: str | None, start_after: str | None = None
+    ) -> AsyncIterator[ListPage]:
+        """The pages of one listing of ``prefix`` (after ``start_after``), each checked; entries outside
+        it dropped."""
         token: str | None = None
         tokens: set[str] = set()
         orders = [_Order(), _Order()]  # of the keys, of the common prefixes
         pages = empty = 0
         while True:
-            page = await self._page(prefix, delimiter, token, pages)
+            page = await self._page(prefix, delimiter, token, pages, start_after)
             pages += 1
             keys, prefixes = page.keys, page.common_prefixes
             if len(keys) + len(prefixes) > _PAGE_KEYS:
@@ -242,10 +262,12 @@ class S3LeanLister:
 
     async def below(self, folder: str) -> list[Entry]:
         cut = len(self.base)
-        out: list[Entry] = []
-        async for page in self._pages(self.base + folder + "/", None):
-            out.extend(zip([k[cut:] for k in page.keys], page.sizes, page.etags, strict=True))
-        return out
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.options.concurrency)
+        found = await list_prefix(
+            self, self.base + folder + "/", self.options.concurrency, self._slots, _PAGE_KEYS
+        )
+        return [(k[cut:], size, etag) for k, size, etag in found]
 
     async def aclose(self) -> None:
         if self._outside_count:

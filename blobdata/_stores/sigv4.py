@@ -170,13 +170,17 @@ def cached_chain(profile: str | None) -> Any:
 
 
 def resolve_chain(profile: str | None) -> Any:
-    """botocore's chain for ``profile``, resolved at most once per process: requests that start
-    together wait here (in threads) for the first resolution instead of each asking IMDS/SSO."""
+    """botocore's chain for ``profile``, resolved at most once per process (requests that start
+    together wait here, in threads, for the first resolution instead of each asking IMDS/SSO) and,
+    for refreshable credentials, once per node (:mod:`.node_credentials`)."""
     import botocore.session
+
+    from .node_credentials import node_chain
 
     cache_key = (_process.pid(), profile)
     with _chain_lock:
         if cache_key not in chains:
             session = botocore.session.Session(profile=profile) if profile else botocore.session.get_session()
-            chains[cache_key] = session.get_credentials()
+            # Once per node: the other processes read what the first resolved (node_credentials).
+            chains[cache_key] = node_chain(profile, session.get_credentials)
         return chains[cache_key]

@@ -20,6 +20,7 @@ from .hostile import HOSTILE_MODES, HostileMode, HostileServer
 from .http_proxy import HttpProxy
 from .proxy import FaultMode, LatencyProxy
 from .servers import LocalS3Server, S3Endpoint, create_bucket, find_free_port, s3_client
+from .synthetic_list import SyntheticListServer
 
 __all__ = [
     "FaultMode",
@@ -32,6 +33,7 @@ __all__ = [
     "LocalGCSEmulator",
     "LocalS3Server",
     "S3Endpoint",
+    "SyntheticListServer",
     "TrainTransform",
     "create_bucket",
     "find_free_port",

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 
 from blobdata import FetchOptions, NotFound, ObjectChanged
+from blobdata._loop import run
 from blobdata._stores import (
     Reader,
     StoreInfo,
@@ -39,7 +40,8 @@ OTHER = b"another object" * 100
 
 
 def _run(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    return asyncio.run(asyncio.wait_for(make(), 60))
+    """On blobdata's own loop, as the engine and the listings run: clients are made per (process, loop)."""
+    return run(asyncio.wait_for(make(), 60))
 
 
 class _Subject:

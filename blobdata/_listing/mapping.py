@@ -1,0 +1,169 @@
+"""How a manifest file reaches a process: mapped read-only, its checksum verified once per file and node.
+
+A local manifest is memory-mapped (``mmap``, read-only) instead of read: its arrays are views of the
+file's pages in the page cache, which every process of the node maps to the same physical memory (the
+ranks of a node, their DataLoader workers, later jobs). A process's anonymous memory no longer grows
+with the manifest, and a manifest larger than memory still works: pages come and go as the kernel
+needs. A manifest must therefore be replaced, never rewritten in place, while jobs read it: blobdata
+writes every manifest to a temporary file and renames it over the old one; do the same (``mv``, not
+``cp`` over it), as truncating a mapped file makes the processes that map it fail (SIGBUS).
+
+**The checksum, once per file and node.** The CRC-32 over the whole file is what catches a corrupt
+or truncated manifest; computing it reads every page. The first process of a node that loads a file
+verifies it and leaves a marker named after the file's identity (device, inode, size, modification
+and change times, and the CRC the file declares) in this user's node-private directory (``/dev/shm/
+blobdata-<uid>/verified/``, mode 0700; the temporary directory where there is no ``/dev/shm``); the
+others find the marker and skip the pass. Not per array on first use: that needs a checksum per
+array (a format change) and still makes every process read every array it touches once, while a
+marker costs one ``stat``; and the CRC protects against files damaged on their way (a truncated
+copy, a partial download), not against pages changing later under an unchanged identity. A file
+replaced or modified has a new identity, so it is verified again; the markers live in memory, so a
+reboot forgets them with the page cache. Without a usable private directory every load verifies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import mmap
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .._errors import ManifestError, NotFound
+from .._url import parse_url
+
+__all__ = ["Buffer", "is_verified", "makedirs_private", "mark_verified", "publish", "read_source"]
+
+Buffer = bytes | mmap.mmap
+_MAX_MARKS = 512  # markers kept per user and node; the oldest go first
+
+
+def _marks_dir() -> str | None:
+    from .._node import per_user_dir
+
+    shm = "/dev/shm"
+    root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
+    top = per_user_dir(root, f"blobdata-{os.geteuid()}")
+    return per_user_dir(top, "verified") if top is not None else None
+
+
+def _mark_name(st: os.stat_result, crc: int) -> str:
+    ident = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{crc}"
+    return hashlib.sha256(ident.encode("ascii")).hexdigest()[:40]
+
+
+def is_verified(mark: str | None) -> bool:
+    """Whether a process of this node already verified the file whose identity is ``mark``."""
+    if mark is None:
+        return False
+    directory = _marks_dir()
+    return directory is not None and os.path.exists(os.path.join(directory, mark))
+
+
+def mark_verified(mark: str | None) -> None:
+    """Record that the file whose identity is ``mark`` passed its checksum (best effort)."""
+    directory = _marks_dir() if mark is not None else None
+    if directory is None or mark is None:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(os.path.join(directory, mark), os.O_CREAT | os.O_WRONLY, 0o600)
+        os.close(fd)
+        marks = os.listdir(directory)
+        if len(marks) > _MAX_MARKS:
+            paths = [os.path.join(directory, m) for m in marks]
+            paths.sort(key=lambda p: os.stat(p).st_mtime_ns)
+            for old in paths[: len(paths) - _MAX_MARKS]:
+                os.unlink(old)
+
+
+def _map(path: str, source: str) -> tuple[Buffer, str | None]:
+    """``path`` mapped read-only, and the name of its verified-marker."""
+    try:
+        fd = os.open(os.path.expanduser(path), os.O_RDONLY)
+    except FileNotFoundError:
+        raise NotFound(f"manifest {source} does not exist", url=source) from None
+    except OSError as exc:
+        raise ManifestError(f"manifest {source} cannot be read: {exc.strerror or exc}", url=source) from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_size < 24:  # shorter than the preamble (an empty file cannot be mapped)
+            return os.read(fd, 24), None
+        try:
+            data: Buffer = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # a file system that cannot map (some FUSE mounts): read it
+            with os.fdopen(os.dup(fd), "rb") as fh:
+                return fh.read(), None
+        crc = int.from_bytes(data[20:24], "little")
+        return data, _mark_name(st, crc)
+    except OSError as exc:
+        raise ManifestError(f"manifest {source} cannot be read: {exc.strerror or exc}", url=source) from exc
+    finally:
+        os.close(fd)  # the mapping stays
+
+
+def read_source(
+    source: str, storage_options: Mapping[str, Any] | None, progress: bool | None = None
+) -> tuple[Buffer, str | None]:
+    """The bytes of the manifest at ``source``: a local file mapped (with its verified-marker's
+    name), a remote one downloaded (no marker: it is verified on every load)."""
+    if "://" not in source or source.startswith("file://"):
+        return _map(source[len("file://") :] if source.startswith("file://") else source, source)
+    # Late: fsspec and the store clients are not needed to read a local manifest.
+    from .._loop import run
+    from .._metrics import progress as _progress
+    from .._retry import final_error
+    from .._stores import credential_hint, get_fs, resolve_storage_options
+
+    url = parse_url(source)
+    fs = get_fs(url.protocol, resolve_storage_options(url.protocol, storage_options))
+
+    async def fetch() -> bytes:
+        if getattr(fs, "async_impl", False):
+            return bytes(await fs._cat_file(url.fs_path))
+        return bytes(fs.cat_file(url.fs_path))
+
+    try:
+        show = _progress.enabled(progress) and url.protocol != "memory"
+        data = _progress.download(fs, url.fs_path, f"manifest {source}", progress) if show else run(fetch())
+        return data, None
+    except Exception as exc:
+        raise final_error(exc, source, hint=credential_hint(url.protocol), what="manifest") from exc
+
+
+def makedirs_private(path: Path) -> None:
+    """Create ``path`` and missing parents with mode 0700 (existing directories are left alone)."""
+    missing: list[Path] = []
+    p = path
+    while not p.exists():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=0o700)
+        os.chmod(d, 0o700)  # mkdir's mode is reduced by the umask
+
+
+def publish(path: Path, data: bytes) -> None:
+    """Write ``data`` as ``path`` once: a 0600 temporary file, fsync, then a hard link to ``path``,
+    which fails if another process of the node published it first (then theirs stays: one file, one
+    set of pages for every process that maps it). ``path`` never holds part of a file."""
+    makedirs_private(path.parent)
+    if path.exists():
+        return
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o600)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
