@@ -155,6 +155,11 @@ class FetchOptions:
                      ``attempts``: the node's throttle controller slows down to what the store accepts
                      and the read waits its turn, failing only when the store accepted none of the
                      node's requests for this long (or throttled this read for this long).
+    lookahead:       samples each process fetches ahead of the sampler's order (default 1024; 0
+                     disables), with loaders from ``ds.dataloader()``. Each epoch starts two batches
+                     ahead and doubles per batch up to this depth, so the first batch does not wait
+                     behind a burst of requests.
+    lookahead_bytes: bytes each process may hold staged ahead (default 256MiB).
     adaptive:        share the node's throttle controller (default True). False: requests go at the
                      fixed ``concurrency`` whatever the store answers, and throttled answers spend
                      ``attempts`` like failures (blobdata's behaviour before the controller).
@@ -169,6 +174,8 @@ class FetchOptions:
     listing_timeout: float = 3600.0
     throttle_wait: float = 10.0
     adaptive: bool = True
+    lookahead: int = 1024
+    lookahead_bytes: int = 256 * 1024**2
 
     def __init__(
         self,
@@ -183,6 +190,8 @@ class FetchOptions:
         listing_timeout: float | str = 3600.0,
         throttle_wait: float | str = 10.0,
         adaptive: bool = True,
+        lookahead: int = 1024,
+        lookahead_bytes: int | str = 256 * 1024**2,
     ) -> None:
         if concurrency is None:
             raw = env("BLOBDATA_CONCURRENCY")
@@ -225,6 +234,10 @@ class FetchOptions:
         if not isinstance(adaptive, bool):
             raise ConfigError(f"adaptive must be True or False, got {adaptive!r}")
         set_(self, "adaptive", adaptive)
+        if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
+            raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
+        set_(self, "lookahead", lookahead)
+        set_(self, "lookahead_bytes", parse_size(lookahead_bytes, name="lookahead_bytes"))
 
     @property
     def retries(self) -> int:

@@ -24,7 +24,7 @@ import torch.utils.data
 
 from .. import _process
 from .._cache import BlobCache, CacheWriter
-from .._config import FetchOptions, parse_size
+from .._config import FetchOptions
 from .._errors import BlobdataError, ConfigError
 from .._fetch import FetchEngine, LookAhead, PlanChannel
 from .._loop import get_loop, run, submit
@@ -39,6 +39,20 @@ __all__ = ["BlobDatasetBase", "OnError", "resolve_cache"]
 log = logging.getLogger("blobdata")
 
 OnError = Literal["raise", "skip"] | Callable[[str, BaseException], None]
+
+
+#: Keyword arguments datasets still accept besides their signature: the look-ahead's former
+#: spellings (now :class:`FetchOptions` fields) and the cache's deprecated ones (now ``cache=``).
+LEGACY_KEYWORDS = frozenset({"lookahead", "lookahead_bytes", "cache_dir", "cache_size", "cache_policy"})
+
+
+def legacy_keywords(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """``given`` checked against :data:`LEGACY_KEYWORDS`: an unknown keyword is a TypeError, as
+    Python's own for a misspelt argument."""
+    unknown = sorted(set(given) - LEGACY_KEYWORDS)
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    return dict(given)
 
 
 def resolve_cache(
@@ -117,10 +131,11 @@ class BlobDatasetBase:
         cache: BlobCache | None,
         on_error: OnError,
         fetch_options: FetchOptions | None,
-        lookahead: int,
-        lookahead_bytes: int | str,
+        lookahead: int | None = None,
+        lookahead_bytes: int | str | None = None,
     ) -> str | os.PathLike[str]:
-        """Set the settings every dataset has; returns the root as given (``~`` expanded)."""
+        """Set the settings every dataset has; returns the root as given (``~`` expanded). ``lookahead``
+        and ``lookahead_bytes``, when given, are the former spellings of FetchOptions' own."""
         given = os.path.expanduser(root) if isinstance(root, str) else root
         url = parse_url(given)
         self._url = str(url)
@@ -129,14 +144,17 @@ class BlobDatasetBase:
         self.cache = cache
         if on_error not in ("raise", "skip") and not callable(on_error):
             raise ConfigError(f"on_error must be 'raise', 'skip' or a callable, got {on_error!r}")
-        if not isinstance(lookahead, int) or lookahead < 0:
-            raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
+        options = fetch_options if fetch_options is not None else FetchOptions()
+        if lookahead is not None:
+            options = options.replace(lookahead=lookahead)
+        if lookahead_bytes is not None:
+            options = options.replace(lookahead_bytes=lookahead_bytes)
         self._protocol = url.protocol
         self._storage_options = dict(storage_options or {})
-        self.fetch_options = fetch_options if fetch_options is not None else FetchOptions()
+        self.fetch_options = options
         self.on_error = on_error
-        self.lookahead = lookahead
-        self.lookahead_bytes = parse_size(lookahead_bytes, name="lookahead_bytes")
+        self.lookahead = options.lookahead
+        self.lookahead_bytes = options.lookahead_bytes
         self.errors: list[tuple[str, BlobdataError]] = []
         self._channel: PlanChannel | None = None
         self._proc: _Process | None = None

@@ -88,9 +88,9 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         listing_max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
         on_error: OnError = "raise",
         fetch_options: FetchOptions | None = None,
-        lookahead: int = 1024,
-        lookahead_bytes: int | str = "256MiB",
         share_listing: bool = True,
+        lookahead: int | None = None,
+        lookahead_bytes: int | str | None = None,
     ) -> None:
         self.root = self._setup(
             url,

@@ -14,7 +14,7 @@ import functools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch.utils.data
 
@@ -27,7 +27,7 @@ from .._metrics import stats as _stats
 from .._sampling import enter_sample, leave_sample
 from .._stores import redact, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
-from .base import BlobDatasetBase, OnError, resolve_cache
+from .base import BlobDatasetBase, OnError, legacy_keywords, resolve_cache
 from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
 
 __all__ = ["FolderDataset"]
@@ -41,16 +41,20 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
     ``allow_empty`` behave as in ImageFolder; ``loader`` receives a binary file object holding the
     object's bytes (``name`` is its URL) instead of a path. Read through :meth:`dataloader`, a
     transform's random draws can be keyed by (loader seed, epoch, URL): :func:`blobdata.sample_rng`.
+
+    Most users need four arguments: ``root``, ``transform``, ``storage_options`` (or the environment)
+    and ``cache``. The rest are rarely needed and grouped where they belong: how objects are fetched,
+    retried and fetched ahead in :class:`FetchOptions` (``fetch_options=``), the cache's size bound
+    and policy in :class:`BlobCache` (``cache=BlobCache(dir, size_limit=..., policy=...)``).
     Keyword-only settings:
 
     storage_options:  fsspec options of the backend (endpoint, credentials); the environment's usual
                       variables apply where these are silent.
     cache:            a local directory (an SSD) that keeps fetched objects across epochs and jobs
-                      (100GB, policy "admit"), or a :class:`BlobCache` for other settings
-                      (``BlobCache(dir, size_limit="500GB", policy="lru")``); None (default) caches
-                      nothing. A directory that cannot be used raises :class:`CacheError` here; a full
-                      disk later only stops caching. (``cache_dir=``, ``cache_size=`` and
-                      ``cache_policy=`` are its deprecated former spellings.)
+                      (its stored size bound, 100GB when new; policy "admit"), or a :class:`BlobCache`
+                      for other settings (``BlobCache(dir, size_limit="500GB", policy="lru")``); None
+                      (default) caches nothing. A directory that cannot be used raises
+                      :class:`CacheError` here; a full disk later only stops caching.
     manifest:         a precomputed listing (local path or URL) to use instead of listing the bucket.
     refresh:          list the bucket again even if a remembered listing exists (default False).
     listing_max_age:  how long a remembered bucket listing is reused, seconds or ``"1d"`` (default
@@ -59,15 +63,15 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
                       naming its URL. ``"skip"``: it is dropped from its batch (``__getitem__`` returns the
                       next good sample) and reported as a warning on the ``blobdata`` logger and in
                       :attr:`errors`. A callable ``(url, exc)`` skips and is called for each bad sample.
-    fetch_options:    :class:`FetchOptions` (requests in flight, timeout, attempts, part size).
-    lookahead:        samples each process fetches ahead of the sampler's order (default 1024; 0 disables);
-                      effective with loaders from :meth:`dataloader`. Each epoch starts two batches
-                      ahead and doubles per batch up to this depth, so that the first batch does
-                      not wait behind a burst of requests.
-    lookahead_bytes:  bytes each process may hold staged ahead (default 256MiB).
+    fetch_options:    :class:`FetchOptions` (requests in flight, timeout, attempts, part size, the
+                      look-ahead's depth and bytes).
     share_listing:    under torchrun or an initialised process group, rank 0 lists and the others
                       receive its manifest (default True; a collective call: pass False for a dataset
                       made on one rank only).
+
+    Still accepted, for code written against earlier releases: ``lookahead=`` and
+    ``lookahead_bytes=`` (the same as ``FetchOptions(lookahead=..., lookahead_bytes=...)``), and
+    ``cache_dir=``, ``cache_size=``, ``cache_policy=`` (deprecated, with a warning: pass ``cache=``).
     """
 
     _raw = False  # the device path's workers: samples are (bytes, url, target), see _raw_view
@@ -89,21 +93,18 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         listing_max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
         on_error: OnError = "raise",
         fetch_options: FetchOptions | None = None,
-        lookahead: int = 1024,
-        lookahead_bytes: int | str = "256MiB",
         share_listing: bool = True,
-        cache_dir: str | os.PathLike[str] | None = None,
-        cache_size: int | str | None = None,
-        cache_policy: Literal["admit", "lru"] | None = None,
+        **legacy: Any,
     ) -> None:
+        old = legacy_keywords("FolderDataset", legacy)
         given = self._setup(
             root,
             storage_options=storage_options,
-            cache=resolve_cache(cache, cache_dir, cache_size, cache_policy),
+            cache=resolve_cache(cache, old.get("cache_dir"), old.get("cache_size"), old.get("cache_policy")),
             on_error=on_error,
             fetch_options=fetch_options,
-            lookahead=lookahead,
-            lookahead_bytes=lookahead_bytes,
+            lookahead=old.get("lookahead"),
+            lookahead_bytes=old.get("lookahead_bytes"),
         )
         self.root = given  # as given, as ImageFolder keeps it; the canonical URL is `url`
         self.transform = transform
