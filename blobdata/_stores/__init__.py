@@ -10,6 +10,11 @@ local, file://    :class:`.local.LocalReader`             :class:`.local.LocalLi
 ``memory://``     :class:`.fsspec.FsspecReader`           :class:`.fsspec.MemoryLister`
 ================  ======================================  ===========================================
 
+Beside them: :mod:`.s3_ranges` lists one S3 prefix in parallel (ranges of its key space),
+:mod:`.node_credentials` resolves refreshable AWS credentials once per node, and each store module's
+``STORE`` (a :class:`~.base.StoreInfo`) holds its facts: the environment it reads, what names its
+listings and its throttle controller, what to check when it refuses credentials.
+
 :func:`reader_for` and :func:`lister_for` pick them; nothing outside this package names a store.
 """
 
