@@ -14,6 +14,7 @@ module             its one job
 ``index``          index files and S3 Inventory reports instead of a listing
 ``tables``         rows of a CSV, JSONL or Parquet file, local or in a bucket
 ``build``          which of those makes a BlobDataset's samples
+``tablefile``      a SampleTable saved (an index converted once) and loaded without parsing
 =================  ==========================================================================
 """
 
@@ -26,6 +27,7 @@ from .flat import list_flat, load_or_list_flat
 from .folders import IMG_EXTENSIONS, identity_from_info, list_folder, list_with, listing_params, load_or_list
 from .manifest import Manifest, manifest_path
 from .samples import Member, SampleTable, split_key
+from .tablefile import is_table, load_table, save_table, table_from_bytes, table_to_bytes
 
 __all__ = [
     "IMG_EXTENSIONS",
@@ -36,6 +38,11 @@ __all__ = [
     "list_flat",
     "load_or_list_flat",
     "split_key",
+    "is_table",
+    "load_table",
+    "save_table",
+    "table_from_bytes",
+    "table_to_bytes",
     "UNIDENTIFIED",
     "Manifest",
     "dist_info",

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -73,10 +74,18 @@ def _build(
 
     objects: dict[str, tuple[int, str]] | None = None
     if index is not None:
-        rows, where = read_index(root, index, storage_options=storage_options)
-        if metadata is None:
-            return _table(root, rows, f"index {index}", where)
-        objects = {m.relkey: (m.size, m.identity) for _, ms, _ in rows for m in ms}
+        saved, data = _saved_table(root, index, storage_options)
+        if saved is not None:
+            if metadata is None:
+                return saved
+            objects = {
+                saved.relkey(j): (int(saved.sizes[j]), saved.identity(j)) for j in range(saved.num_objects)
+            }
+        else:
+            rows, where = read_index(root, index, storage_options=storage_options, data=data)
+            if metadata is None:
+                return _table(root, rows, f"index {index}", where)
+            objects = {m.relkey: (m.size, m.identity) for _, ms, _ in rows for m in ms}
         listing: Manifest | None = None
     else:
         make = functools.partial(
@@ -102,6 +111,32 @@ def _build(
         objects = {rk: (int(listing.sizes[j]), listing.identity(j)) for j, rk in enumerate(relkeys)}
     samples, where = samples_from_metadata(root, metadata, objects, storage_options=storage_options)
     return _table(root, samples, f"metadata {metadata}", where, listing)
+
+
+def _saved_table(
+    root: str, index: str, storage_options: Mapping[str, Any]
+) -> tuple[SampleTable | None, bytes | None]:
+    """The table saved at ``index`` (``blobdata ls --index --save-manifest``, known by its magic bytes),
+    else None and the index's bytes when they had to be read to tell (a URL)."""
+    from .tablefile import TABLE_MAGIC, is_table, load_table
+    from .tables import read_bytes
+
+    if index.rstrip("/").endswith("manifest.json"):
+        return None, None
+    if "://" not in index or index.startswith("file://"):
+        path = os.path.expanduser(index[len("file://") :] if index.startswith("file://") else index)
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(len(TABLE_MAGIC))
+        except OSError:
+            return None, None  # read_index names the problem
+        if not is_table(head):
+            return None, None
+        return load_table(index, storage_options=storage_options, expect_root=root), None
+    data = read_bytes(index, storage_options, what="index")
+    if not is_table(data):
+        return None, data
+    return load_table(index, expect_root=root, data=data), None
 
 
 def _table(root: str, samples: Any, source: str, where: str, listing: Manifest | None = None) -> SampleTable:
