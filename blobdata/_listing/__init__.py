@@ -7,7 +7,7 @@ module             its one job
 ``folders``        ImageFolder's rules (classes, extensions, order); the remembered listing
 ``manifest``       :class:`Manifest`: the listing as numpy arrays, saved and loaded without pickle
 ``filters``        what identifies an ``is_valid_file`` filter, so a listing is reused only for it
-``distributed``    ranks, and one listing per job (rank 0 lists, the others receive it)
+``distributed``    ranks, and one listing (and index) per job: rank 0 reads, the others receive it
 ``flat``           every object below a folder (a BlobDataset's listing), remembered
 ``samples``        webdataset's key rule; :class:`SampleTable`, the samples of a BlobDataset
 ``metadata``       Hugging Face's metadata files (``file_name`` columns) as samples
@@ -21,7 +21,7 @@ module             its one job
 from __future__ import annotations
 
 from .build import METADATA_NAMES, build_table
-from .distributed import dist_info, env_info, shared_file, shared_manifest
+from .distributed import dist_info, env_info, shared_file, shared_manifest, shared_table
 from .filters import UNIDENTIFIED, filter_identity
 from .flat import list_flat, load_or_list_flat
 from .folders import IMG_EXTENSIONS, identity_from_info, list_folder, list_with, listing_params, load_or_list
@@ -56,4 +56,5 @@ __all__ = [
     "manifest_path",
     "shared_file",
     "shared_manifest",
+    "shared_table",
 ]

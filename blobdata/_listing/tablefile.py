@@ -42,7 +42,10 @@ from .._url import check_relkeys
 from .mapping import Buffer, is_verified, makedirs_private, mark_verified, read_source
 from .samples import SampleTable
 
-__all__ = ["TABLE_MAGIC", "is_table", "load_table", "save_table", "table_from_bytes", "table_to_bytes"]
+__all__ = [
+    "TABLE_MAGIC", "is_table", "load_table", "save_table", "table_from_bytes", "table_to_bytes",
+    "write_atomic",
+]  # fmt: skip
 
 TABLE_MAGIC = b"BLOBSMPL"
 TABLE_VERSION = 1
@@ -155,11 +158,14 @@ def table_from_bytes(
 
 
 def save_table(table: SampleTable, path: str | os.PathLike[str], *, source: str = "") -> None:
-    """Write atomically: a 0600 temporary file in the same directory, fsync, then ``os.replace`` (a
-    process mapping the old file keeps it; nobody sees half a file)."""
-    target = Path(path).expanduser()
+    """Write atomically (:func:`write_atomic`)."""
+    write_atomic(Path(path).expanduser(), table_to_bytes(table, source=source))
+
+
+def write_atomic(target: Path, data: bytes) -> None:
+    """``data`` as ``target``: a 0600 temporary file in the same directory, fsync, then ``os.replace`` (a
+    process mapping the old file keeps it; nobody sees half a file). Missing parents are made 0700."""
     makedirs_private(target.parent)
-    data = table_to_bytes(table, source=source)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
