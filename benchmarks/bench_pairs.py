@@ -16,9 +16,11 @@ run, through the proxy, with no cache (every byte from the bucket), batch 64, 2 
 * first batch: seconds from nothing to the first batch (shuffle off) of ``BlobDataset(pairs,
   index=FILE)`` with FILE a CSV of ``--index-rows`` objects (the first ``2 * --pairs`` of them real:
   this machine cannot hold 1M uploads), next to ``BlobDataset(pairs, refresh=True)``, which lists the
-  bucket, and the LIST requests each sent. A listing of N objects takes ceil(N / 1000) pages one after
-  the other; the last row extrapolates the listing's measured seconds per page to the index's row count
-  (1000 pages for 1M objects) plus the rest of its first batch, plainly marked as an extrapolation.
+  bucket, and the LIST requests each sent; and ``index=`` the same index saved once
+  (``blobdata ls URL --index FILE --save-manifest PATH``), loaded without parsing. A listing of N
+  objects takes ceil(N / 1000) pages one after the other; the last row extrapolates the listing's
+  measured seconds per page to the index's row count (1000 pages for 1M objects) plus the rest of its
+  first batch, plainly marked as an extrapolation.
 
 A benchmark, not a test: no timed assertions; compare ratios within one run.
 """
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     import numpy as np
 
     from blobdata import BlobDataset, FolderDataset
-    from blobdata._listing import list_flat
+    from blobdata._listing import list_flat, save_table
     from blobdata.testing import LatencyProxy, LocalS3Server, s3_client, synthetic_jpeg, upload
 
     rng = np.random.default_rng(0)
@@ -137,6 +139,13 @@ def main(argv: list[str] | None = None) -> None:
                 lambda: BlobDataset(url, index=index, storage_options=opts), args.batch_size
             )
             index_lists = lists(proxy)
+            saved = Path(tmp) / "index.samples"  # as `blobdata ls URL --index FILE --save-manifest PATH`
+            save_table(BlobDataset(url, index=index, storage_options=opts).table, saved)
+            proxy.reset_counts()
+            t_saved, _ = first_batch(
+                lambda: BlobDataset(url, index=saved, storage_options=opts), args.batch_size
+            )
+            saved_lists = lists(proxy)
             proxy.reset_counts()
             t_list, _ = first_batch(
                 lambda: BlobDataset(url, refresh=True, storage_options=opts), args.batch_size
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'from':<44}{'objects':>10}{'LISTs':>10}{'seconds':>10}")
     label = f"index CSV ({args.index_rows:,} rows)"
     print(f"{label:<44}{args.index_rows:>10}{index_lists:>10}{t_index:>10.2f}")
+    print(f"{'the index saved (--save-manifest)':<44}{args.index_rows:>10}{saved_lists:>10}{t_saved:>10.2f}")
     print(f"{'listing (measured)':<44}{listed:>10}{list_lists:>10}{t_list:>10.2f}")
     print(f"{'listing (extrapolated: ' + str(math.ceil(args.index_rows / 1000)) + ' pages)':<44}"
           f"{args.index_rows:>10}{'-':>10}{extrapolated:>10.1f}")  # fmt: skip

@@ -301,6 +301,10 @@ class EscapingFormatter(logging.Formatter):
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    if getattr(args, "index", None):
+        from .ls_index import cmd_ls_index
+
+        return cmd_ls_index(args, parse_storage_options(args.storage_option or []), _save_manifest)
     url = str(parse_url(args.url))
     opts = resolve_storage_options(parse_url(url).protocol, parse_storage_options(args.storage_option or []))
     started = time.time()

@@ -167,6 +167,11 @@ def _parser() -> argparse.ArgumentParser:
     ls = sub.add_parser("ls", parents=[common, listing], help="list a folder: classes, objects, bytes")
     ls.add_argument("--json", action="store_true", help="print JSON")
     ls.add_argument("--save-manifest", metavar="PATH_OR_URL", help="write the listing there for other nodes")
+    ls.add_argument(
+        "--index", metavar="FILE",
+        help="the samples an index names (CSV, JSONL, Parquet or an S3 Inventory manifest.json), no listing; "
+        "with --save-manifest PATH, converted once: BlobDataset(URL, index=PATH) loads it without parsing",
+    )  # fmt: skip
     ls.set_defaults(func=cmd_ls)
 
     cache = sub.add_parser("cache", parents=[common], help="inspect or clear a local cache")

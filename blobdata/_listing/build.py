@@ -7,12 +7,13 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._config import FetchOptions
 from .._errors import EmptyDatasetError
-from .distributed import shared_manifest
+from .distributed import shared_manifest, shared_table
 from .flat import load_or_list_flat
 from .manifest import Manifest
 from .samples import SampleTable, group_listing
@@ -68,40 +69,96 @@ def _build(
     fetch_options: FetchOptions,
     share: bool,
 ) -> SampleTable:
-    from .index import read_index
-    from .metadata import find_metadata, samples_from_metadata
+    from .metadata import find_metadata
 
-    objects: dict[str, tuple[int, str]] | None = None
-    if index is not None:
-        rows, where = read_index(root, index, storage_options=storage_options)
+    if index is not None:  # read by rank 0 alone; the others receive its table
+        from_index = functools.partial(_from_index, root, index, metadata, storage_options)
+        return shared_table(root, from_index, key=f"index|{index}|{metadata}") if share else from_index()
+    make = functools.partial(
+        load_or_list_flat, root, storage_options=storage_options, refresh=refresh, manifest=manifest,
+        fetch_options=fetch_options, max_age=max_age,
+    )  # fmt: skip
+    listing = shared_manifest(root, make, key="flat") if share else make()
+    relkeys = [listing.relkey(j) for j in range(len(listing))]
+    if metadata is None:
+        metadata = find_metadata(relkeys, METADATA_NAMES)
+    if metadata is None:
+        entries = zip(
+            relkeys,
+            listing.sizes.tolist(),
+            [listing.identity(j) for j in range(len(listing))],
+            strict=True,
+        )
+        grouped, left = group_listing(root, entries)
+        if left:
+            logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
+                        len(left), root, ", ".join(left[:3]))  # fmt: skip
+        return _table(root, grouped, root, "", listing)
+    found = metadata
+
+    def from_metadata() -> SampleTable:  # read by rank 0 alone; the others receive its table
+        objects = {rk: (int(listing.sizes[j]), listing.identity(j)) for j, rk in enumerate(relkeys)}
+        return _from_metadata(root, found, objects, storage_options)
+
+    table = shared_table(root, from_metadata, key=f"metadata|{metadata}") if share else from_metadata()
+    table.listing = listing
+    return table
+
+
+def _from_index(
+    root: str, index: str, metadata: str | None, storage_options: Mapping[str, Any]
+) -> SampleTable:
+    """The samples an index (or a saved table) names, or, with ``metadata``, its rows over those objects."""
+    from .index import read_index
+
+    saved, data = _saved_table(root, index, storage_options)
+    if saved is not None:
+        if metadata is None:
+            return saved
+        objects = {
+            saved.relkey(j): (int(saved.sizes[j]), saved.identity(j)) for j in range(saved.num_objects)
+        }
+    else:
+        rows, where = read_index(root, index, storage_options=storage_options, data=data)
         if metadata is None:
             return _table(root, rows, f"index {index}", where)
         objects = {m.relkey: (m.size, m.identity) for _, ms, _ in rows for m in ms}
-        listing: Manifest | None = None
-    else:
-        make = functools.partial(
-            load_or_list_flat, root, storage_options=storage_options, refresh=refresh, manifest=manifest,
-            fetch_options=fetch_options, max_age=max_age,
-        )  # fmt: skip
-        listing = shared_manifest(root, make, key="flat") if share else make()
-        relkeys = [listing.relkey(j) for j in range(len(listing))]
-        if metadata is None:
-            metadata = find_metadata(relkeys, METADATA_NAMES)
-        if metadata is None:
-            entries = zip(
-                relkeys,
-                listing.sizes.tolist(),
-                [listing.identity(j) for j in range(len(listing))],
-                strict=True,
-            )
-            grouped, left = group_listing(root, entries)
-            if left:
-                logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
-                            len(left), root, ", ".join(left[:3]))  # fmt: skip
-            return _table(root, grouped, root, "", listing)
-        objects = {rk: (int(listing.sizes[j]), listing.identity(j)) for j, rk in enumerate(relkeys)}
+    return _from_metadata(root, metadata, objects, storage_options)
+
+
+def _from_metadata(
+    root: str, metadata: str, objects: dict[str, tuple[int, str]], storage_options: Mapping[str, Any]
+) -> SampleTable:
+    from .metadata import samples_from_metadata
+
     samples, where = samples_from_metadata(root, metadata, objects, storage_options=storage_options)
-    return _table(root, samples, f"metadata {metadata}", where, listing)
+    return _table(root, samples, f"metadata {metadata}", where)
+
+
+def _saved_table(
+    root: str, index: str, storage_options: Mapping[str, Any]
+) -> tuple[SampleTable | None, bytes | None]:
+    """The table saved at ``index`` (``blobdata ls --index --save-manifest``, known by its magic bytes),
+    else None and the index's bytes when they had to be read to tell (a URL)."""
+    from .tablefile import TABLE_MAGIC, is_table, load_table
+    from .tables import read_bytes
+
+    if index.rstrip("/").endswith("manifest.json"):
+        return None, None
+    if "://" not in index or index.startswith("file://"):
+        path = os.path.expanduser(index[len("file://") :] if index.startswith("file://") else index)
+        try:
+            with open(path, "rb") as fh:
+                head = fh.read(len(TABLE_MAGIC))
+        except OSError:
+            return None, None  # read_index names the problem
+        if not is_table(head):
+            return None, None
+        return load_table(index, storage_options=storage_options, expect_root=root), None
+    data = read_bytes(index, storage_options, what="index")
+    if not is_table(data):
+        return None, data
+    return load_table(index, expect_root=root, data=data), None
 
 
 def _table(root: str, samples: Any, source: str, where: str, listing: Manifest | None = None) -> SampleTable:

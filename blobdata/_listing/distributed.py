@@ -6,7 +6,9 @@ initialised, else from the variables ``torchrun`` sets (``RANK``, ``WORLD_SIZE``
 
 Listing once per job (:func:`shared_manifest`): global rank 0 lists the bucket (or loads the
 remembered or given manifest) and every other rank receives the very bytes rank 0 produced, so every
-rank has an identical sample table even if the bucket changes meanwhile.
+rank has an identical sample table even if the bucket changes meanwhile. A BlobDataset's index or
+metadata file is read once per job the same way (:func:`shared_table`): rank 0 builds the sample table
+and hands over its saved form (:mod:`blobdata._listing.tablefile`), by the same two roads.
 
 - With an initialised process group, the manifest's bytes are broadcast as a ``uint8`` tensor (its
   length first), never pickled. Every rank must construct the dataset (a collective call); a dataset
@@ -31,15 +33,20 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from .._config import cache_home, env, parse_duration
 from .._errors import BlobdataError, ConfigError, ManifestError
 from .._node import check_shared_dir, is_own, read_own, write_own
 from .._url import check_relkeys
 from .manifest import Manifest
-from .mapping import publish
+from .mapping import Buffer, publish
+from .samples import SampleTable
+from .tablefile import load_table, table_from_bytes, table_to_bytes, write_atomic
 
-__all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest"]
+__all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest", "shared_table"]
+
+T = TypeVar("T")
 
 _POLL_SECONDS = 0.05
 #: Hand-over files older than this are removed by the next job's rank 0 (seconds).
@@ -96,20 +103,59 @@ def _info(rank: int, world: int, initialized: bool) -> DistInfo:
     return DistInfo(rank, world, local_rank, local_world, node, initialized)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Codec(Generic[T]):
+    """How one kind of thing travels from rank 0: its bytes, those bytes checked, a file of them mapped."""
+
+    what: str  # "list": "rank 0 could not list ..."
+    noun: str  # "listing": "rank 1 waited for rank 0's listing of ..."
+    to_bytes: Callable[[T], bytes]
+    from_bytes: Callable[[Buffer, str, str], T]  # (data, root, source)
+    load: Callable[[Path, str], T]  # (path, root): mapped, checked
+
+
+def _manifest_from(data: Buffer, root: str, source: str) -> Manifest:
+    return Manifest.from_bytes(data, source=source)
+
+
+def _manifest_load(path: Path, root: str) -> Manifest:
+    return Manifest.load(path, expect_root=root)
+
+
+_MANIFESTS: _Codec[Manifest] = _Codec("list", "listing", Manifest.to_bytes, _manifest_from, _manifest_load)
+_TABLES: _Codec[SampleTable] = _Codec(
+    "read the samples (index or metadata file) of", "samples",
+    lambda t: table_to_bytes(t, source="rank 0"),
+    lambda data, root, source: table_from_bytes(data, source=source, expect_root=root),
+    lambda path, root: load_table(str(path), expect_root=root),
+)  # fmt: skip
+
+
 def shared_manifest(root: str, make: Callable[[], Manifest], *, key: str = "") -> Manifest:
     """``make()`` on global rank 0; every other rank gets rank 0's manifest (see the module docstring).
 
     ``key`` names what is listed beyond the URL (listing parameters), for the shared file's name.
     """
+    return _shared(root, make, key, _MANIFESTS)
+
+
+def shared_table(root: str, make: Callable[[], SampleTable], *, key: str = "") -> SampleTable:
+    """``make()`` on global rank 0 (it reads the index or metadata file); every other rank gets rank 0's
+    sample table, in its saved form (:mod:`blobdata._listing.tablefile`), as :func:`shared_manifest`
+    hands over a listing. ``key`` names what the table is made from, for the shared file's name."""
+    return _shared(root, make, "table|" + key, _TABLES)
+
+
+def _shared(root: str, make: Callable[[], T], key: str, codec: _Codec[T]) -> T:
     info = dist_info()
     if info.world_size == 1:
         return make()
     if info.initialized:
-        return _broadcast(root, make, info, key)
-    return _via_file(root, make, info, key)
+        return _broadcast(root, make, info, key, codec)
+    return _via_file(root, make, info, key, codec)
 
 
-def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo, key: str) -> Manifest:
+def _broadcast(root: str, make: Callable[[], T], info: DistInfo, key: str, codec: _Codec[T]) -> T:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -121,8 +167,8 @@ def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo, key: str
     if info.rank == 0:
         error: Exception | None = None
         try:
-            manifest = make()
-            payload = manifest.to_bytes()
+            made: Any = make()
+            payload = codec.to_bytes(made)
             length[0] = len(payload)
         except Exception as exc:
             # The others must not wait for bytes that will never come: they get the error's text.
@@ -133,8 +179,8 @@ def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo, key: str
         dist.broadcast(torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()).to(device), src=0)
         if error is not None:
             raise error
-        del manifest
-        return _mapped(root, key, info, payload)
+        del made
+        return _mapped(root, key, info, payload, codec)
     dist.broadcast(length, src=0)
     n = int(length.item())
     buf = torch.empty(abs(n), dtype=torch.uint8, device=device)
@@ -142,12 +188,14 @@ def _broadcast(root: str, make: Callable[[], Manifest], info: DistInfo, key: str
     data = buf.cpu().numpy().tobytes()
     del buf
     if n < 0:
-        raise ManifestError(f"rank 0 could not list {root}: {data.decode('utf-8', 'replace')}", url=root)
-    Manifest.from_bytes(data, source=f"{root} (from rank 0)")  # checked before it is written
-    return _received(_mapped(root, key, info, data), root, f"{root} (from rank 0)")
+        raise ManifestError(
+            f"rank 0 could not {codec.what} {root}: {data.decode('utf-8', 'replace')}", url=root
+        )
+    codec.from_bytes(data, root, f"{root} (from rank 0)")  # checked before it is written
+    return _received(_mapped(root, key, info, data, codec), root, f"{root} (from rank 0)")
 
 
-def _mapped(root: str, key: str, info: DistInfo, data: bytes) -> Manifest:
+def _mapped(root: str, key: str, info: DistInfo, data: bytes, codec: _Codec[T]) -> T:
     """The manifest ``data`` as a file of this node (written by its first rank to get here), mapped.
     Only this user's own file is mapped, in a directory nobody else can replace it in (_node.files):
     anything else there (another user's, a link) and this rank keeps a private copy instead."""
@@ -159,13 +207,15 @@ def _mapped(root: str, key: str, info: DistInfo, data: bytes) -> Manifest:
         if not is_own(str(path)):
             raise ManifestError(f"{path} was not written", url=str(path))
         _forget_old(path.parent)
-        return Manifest.load(path, expect_root=root)
+        return codec.load(path, root)
     except (OSError, BlobdataError) as exc:  # no usable directory: this rank keeps a copy
         import logging
 
-        logging.getLogger("blobdata").warning("could not share the listing of %s through %s (%s): this "
-                                              "process keeps its own copy", root, path, exc)  # fmt: skip
-        return Manifest.from_bytes(data, source=f"{root} (from rank 0)")
+        logging.getLogger("blobdata").warning(
+            "could not share the %s of %s through %s (%s): this process keeps its own copy",
+            codec.noun, root, path, exc,
+        )  # fmt: skip
+        return codec.from_bytes(data, root, f"{root} (from rank 0)")
 
 
 def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
@@ -179,7 +229,7 @@ def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
     return (Path(base).expanduser() if base else cache_home() / "jobs") / f"{h}.manifest"
 
 
-def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str) -> Manifest:
+def _via_file(root: str, make: Callable[[], T], info: DistInfo, key: str, codec: _Codec[T]) -> T:
     path = shared_file(root, key, info.nnodes)
     failed = path.with_suffix(".error")
     # Only this user's own files are trusted, in a directory nobody else can replace them in (_node.files).
@@ -187,26 +237,29 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
     if info.rank == 0:
         failed.unlink(missing_ok=True)  # an earlier run's
         try:
-            manifest = make()
+            made = make()
         except Exception as exc:
             failed.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_own(str(failed), f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
             raise
-        manifest.save(path)  # atomic: the others never see half a file
+        write_atomic(path, codec.to_bytes(made))  # atomic: the others never see half a file
+        del made
         _forget_old(path.parent)
-        return Manifest.load(path, expect_root=root)  # mapped: the node's ranks share its pages
+        return codec.load(path, root)  # mapped: the node's ranks share its pages
     timeout = parse_duration(env("BLOBDATA_SHARED_TIMEOUT") or 600, name="BLOBDATA_SHARED_TIMEOUT")
     deadline = time.monotonic() + timeout
     while True:
         check_shared_dir(str(path.parent), setting="BLOBDATA_SHARED_DIR")  # it may appear meanwhile
         text = read_own(str(failed), limit=_ERROR_BYTES)
         if text is not None:
-            raise ManifestError(f"rank 0 could not list {root}: {text.decode('utf-8', 'replace')}", url=root)
+            raise ManifestError(
+                f"rank 0 could not {codec.what} {root}: {text.decode('utf-8', 'replace')}", url=root
+            )
         if is_own(str(path)):  # mapped, not read: the node's ranks share its pages
-            return _received(Manifest.load(path, expect_root=root), root, str(path))
+            return _received(codec.load(path, root), root, str(path))
         if time.monotonic() > deadline:
             raise ManifestError(
-                f"rank {info.rank} waited {timeout:.0f}s for rank 0's listing of {root} in {path}: "
+                f"rank {info.rank} waited {timeout:.0f}s for rank 0's {codec.noun} of {root} in {path}: "
                 "initialise the process group before making the dataset, or set BLOBDATA_SHARED_DIR "
                 "to a directory every node shares, or pass manifest=",
                 url=root,
@@ -214,8 +267,11 @@ def _via_file(root: str, make: Callable[[], Manifest], info: DistInfo, key: str)
         time.sleep(_POLL_SECONDS)
 
 
-def _received(manifest: Manifest, root: str, source: str) -> Manifest:
-    """Rank 0's manifest, checked as ``Manifest.load(expect_root=root)`` and ``load_or_list`` check it."""
+def _received(manifest: T, root: str, source: str) -> T:
+    """Rank 0's manifest, checked as ``Manifest.load(expect_root=root)`` and ``load_or_list`` check it (a
+    table is checked when loaded: :func:`~blobdata._listing.tablefile.table_from_bytes`)."""
+    if not isinstance(manifest, Manifest):
+        return manifest
     if manifest.root != root:
         raise ManifestError(f"manifest {source} lists {manifest.root}, not {root}", url=source)
     if root.startswith("file://"):  # its keys become local paths: none may leave the root

@@ -33,14 +33,17 @@ _KNOWN = frozenset({"key", "size", "etag", "version_id"})
 _SUSPECT = re.compile(r"://|\.\.|//|/\./|[\x00\\]|^[/.]|/\.?$")
 
 
-def read_index(root: str, index: str, *, storage_options: Mapping[str, Any]) -> tuple[list[Sample], str]:
+def read_index(
+    root: str, index: str, *, storage_options: Mapping[str, Any], data: bytes | None = None
+) -> tuple[list[Sample], str]:
     """The samples an index names (see the module docstring), sorted by key, and the template that names
-    a member's row (``"index x.csv line {}"``)."""
+    a member's row (``"index x.csv line {}"``); ``data``: the index's bytes, when already read."""
     if index.rstrip("/").endswith("manifest.json"):
         found: Iterable[tuple[int, dict[str, Any]]] = _inventory(root, index, storage_options)
         tmpl = f"S3 Inventory {index} row {{}}"
     else:
-        data = read_bytes(index, storage_options, what="index")
+        if data is None:
+            data = read_bytes(index, storage_options, what="index")
         fmt = format_of(index)
         found = rows(index, data, fmt, what="index", keep=_KNOWN)
         tmpl = place(index, fmt, "index")

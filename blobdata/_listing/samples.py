@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -106,6 +106,58 @@ class SampleTable:
                 for _, _, f in samples
             ]
         )
+
+    #: The arrays of a table, in their order on disk (:mod:`blobdata._listing.tablefile`), and their dtypes.
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "keys": "uint8", "keys_off": "<i8", "offsets": "<i8", "fields": "uint8", "fields_off": "<i8",
+        "rel": "uint8", "rel_off": "<i8", "sizes": "<i8", "ids": "uint8", "ids_off": "<i8",
+        "names": "uint8", "names_off": "<i8", "where": "<i8",
+    }  # fmt: skip
+
+    def arrays(self) -> dict[str, npt.NDArray[Any]]:
+        """Everything the table holds, as arrays (``where`` empty when no file named the rows)."""
+        where = self._where if self._where is not None else np.zeros(0, dtype=np.int64)
+        return {
+            "keys": self._keys, "keys_off": self._keys_off, "offsets": self.offsets,
+            "fields": self._fields, "fields_off": self._fields_off, "rel": self._rel,
+            "rel_off": self._rel_off, "sizes": self.sizes, "ids": self._ids, "ids_off": self._ids_off,
+            "names": self._names, "names_off": self._names_off, "where": where,
+        }  # fmt: skip
+
+    @property
+    def where_template(self) -> str:
+        return self._where_fmt
+
+    @classmethod
+    def from_arrays(
+        cls, root: str, arrays: Mapping[str, npt.NDArray[Any]], *, where: str = ""
+    ) -> SampleTable:
+        """A table from :meth:`arrays`' output (views are kept, not copied); ValueError says what is
+        inconsistent."""
+        t = cls.__new__(cls)
+        t.root, t.listing, t._where_fmt = root, None, where
+        t._keys, t._keys_off, t.offsets = arrays["keys"], arrays["keys_off"], arrays["offsets"]
+        t._fields, t._fields_off = arrays["fields"], arrays["fields_off"]
+        t._rel, t._rel_off, t.sizes = arrays["rel"], arrays["rel_off"], arrays["sizes"]
+        t._ids, t._ids_off = arrays["ids"], arrays["ids_off"]
+        t._names, t._names_off = arrays["names"], arrays["names_off"]
+        t._where = arrays["where"] if where else None
+        n, m = len(t.offsets) - 1, len(t.sizes)
+        if n < 0 or t.offsets[0] != 0 or t.offsets[-1] != m or (n and bool((np.diff(t.offsets) <= 0).any())):
+            raise ValueError("sample offsets do not describe the object rows (every sample has a member)")
+        for name, buf, offs, count in (
+            ("keys", t._keys, t._keys_off, n), ("fields", t._fields, t._fields_off, n),
+            ("object keys", t._rel, t._rel_off, m), ("identities", t._ids, t._ids_off, m),
+            ("member names", t._names, t._names_off, m),
+        ):  # fmt: skip
+            bad = len(offs) != count + 1 or offs[0] != 0 or offs[-1] != len(buf)
+            if bad or bool((np.diff(offs) < 0).any()):
+                raise ValueError(f"{name}' offsets do not describe their {len(buf)}-byte buffer")
+        if m and int(t.sizes.min()) < -1:
+            raise ValueError("an object size below -1 (-1 is: not known)")
+        if t._where is not None and len(t._where) != m:
+            raise ValueError(f"{len(t._where)} row numbers for {m} objects")
+        return t
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
