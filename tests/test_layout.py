@@ -54,6 +54,18 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+_TREES: dict[Path, ast.Module] = {}
+
+
+def _parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once. Parsing at collection, before any test starts a thread,
+    avoids CPython 3.11's ast recursion check that another thread's compile can upset
+    ("AST constructor recursion depth mismatch", python/cpython#106905)."""
+    if path not in _TREES:
+        _TREES[path] = ast.parse(path.read_text(), str(path))
+    return _TREES[path]
+
+
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
     if node.level == 0:
         base = node.module or ""
@@ -71,7 +83,7 @@ def _graph() -> dict[str, set[str]]:
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parse(path)
         deps: set[str] = set()
         for node in ast.walk(tree):
             targets: list[str] = []
@@ -144,7 +156,7 @@ def _import_statements() -> list[tuple[str, str, int, str]]:
     modules = _modules()
     out = []
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parse(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 target = _resolve(name, path.name == "__init__.py", node)[-1]
@@ -206,7 +218,7 @@ def test_other_packages_enter_a_package_by_its_init() -> None:
     modules = _modules()
     bad = []
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(), str(path))
+        tree = _parse(path)
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or (not node.module and node.level == 0):
                 continue
@@ -228,12 +240,16 @@ def test_tests_enter_moved_packages_by_their_init() -> None:
     bad = []
     for path in sorted(tests.rglob("*.py")):
         own = path.relative_to(tests).parts[0].replace("-", "_")
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_parse(path)):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("blobdata."):
                 parts = node.module.split(".")
                 if len(parts) > 2 and parts[1] in interface_only and f"_{own}" != parts[1]:
                     bad.append(f"{path.relative_to(tests)}:{node.lineno} imports from {node.module}")
     assert not bad, "\n".join(bad)
+
+
+for _path in [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tests").rglob("*.py")]:  # at collection
+    _parse(_path)
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
