@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["node_chain"]
+__all__ = ["forget", "node_chain"]
 
 _MARGIN_S = 300.0  # refresh this long before the expiry, as botocore's advisory refresh does
 _SOURCES = (
@@ -138,3 +138,21 @@ def node_chain(profile: str | None, resolve: Callable[[], Any]) -> Any:
         return _locked(path, resolve)
     except OSError:
         return resolve()  # nothing shared, nothing lost
+
+
+def forget(profile: str | None, stale: Any) -> None:
+    """Remove the node's shared credentials for ``profile`` if they are ``stale`` (refused by the store as
+    expired before their stated expiry), so that the next resolution asks the chain again. Credentials
+    another process already refreshed are kept."""
+    path = _path(profile)
+    if path is None:
+        return
+    try:
+        with open(path + ".lock", "a") as lock:
+            os.chmod(lock.name, 0o600)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            shared = _read(path)
+            if shared is not None and tuple(shared[0]) == (stale.access_key, stale.secret_key, stale.token):
+                os.unlink(path)
+    except OSError:
+        pass  # nothing shared: the next resolution asks the chain anyway
