@@ -56,7 +56,9 @@ from .s3xml import ListPage
 __all__ = ["GCSLister", "GCSReader", "identity"]
 
 _DEFAULT_LOCATION = "https://storage.googleapis.com"
-_LIST_BODY_CAP = 16 * 1024 * 1024  # bytes of one objects.list page
+# Bytes of one objects.list answer: 1,000 entries take well under 1 MiB, but an emulator that ignores
+# maxResults (gcp-storage-emulator) sends the whole prefix in one answer (about 0.5 KiB an object).
+_LIST_BODY_CAP = 256 * 1024 * 1024
 _UNSIZED_CAP = 1 << 30  # bytes of a whole read whose size was not listed
 _REFRESH_MARGIN_S = 300.0  # refresh a token this long before it expires (gcsfs uses the same margin)
 
@@ -373,6 +375,7 @@ class GCSLister(PagedLister):
 
     store = "gs"
     hint = STORE.credential_hint
+    whole_ok = True  # gcp-storage-emulator ignores maxResults: the whole prefix, one answer, no token
 
     def __init__(self, url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions) -> None:
         super().__init__(url, options)

@@ -7,12 +7,14 @@ stated by the one error map, as s3fs's errors are.
 
 A listing the store drives must end: every continuation token of a listing is remembered (one sent
 again is an error), keys and common prefixes must increase from entry to entry and page to page, a
-page may hold no more entries than asked for, 1,000 pages in a row without an entry is an error,
-and the whole listing has a deadline (``FetchOptions.listing_timeout``). Keys and prefixes outside
-the requested prefix are dropped, and named in one warning when the listing ends.
+page may hold no more entries than asked for (but for a last page where ``whole_ok``), 1,000 pages
+in a row without an entry is an error, and the whole listing has a deadline
+(``FetchOptions.listing_timeout``). Keys and prefixes outside the requested prefix are dropped, and
+named in one warning when the listing ends.
 
 A prefix of more than one page is listed in key ranges at once (:mod:`.s3_ranges`): the same keys in
-the same order as page by page, each range's pages checked as above.
+the same order as page by page, each range's pages checked as above. :class:`PagedLister` holds these
+checks for any store whose pages carry a continuation token (GCS's lister is one too).
 """
 
 from __future__ import annotations
@@ -136,6 +138,9 @@ class PagedLister:
 
     store = "s3"
     hint = ""
+    #: Whether a last page (no continuation token) may hold more entries than asked: the whole prefix in
+    #: one answer, as GCS emulators that ignore ``maxResults`` send it.
+    whole_ok = False
 
     def __init__(self, url: BlobURL, options: FetchOptions) -> None:
         self.url = url
@@ -214,7 +219,7 @@ class PagedLister:
             page = await self._page(prefix, delimiter, token, pages, start_after)
             pages += 1
             keys, prefixes = page.keys, page.common_prefixes
-            if len(keys) + len(prefixes) > _PAGE_KEYS:
+            if len(keys) + len(prefixes) > _PAGE_KEYS and (page.next_token is not None or not self.whole_ok):
                 raise self._fail(f"the store sent {len(keys) + len(prefixes)} entries in a page of at most "
                                  f"{_PAGE_KEYS}")  # fmt: skip
             for order, names in zip(orders, (keys, prefixes), strict=True):
