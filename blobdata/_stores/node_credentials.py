@@ -8,8 +8,10 @@ Only refreshable credentials (those with an expiry: IMDS, containers, SSO, assum
 ``credential_process``) are shared; static keys from the environment or the config files are cheap
 to read and are never written anywhere. Nothing is shared where there is no ``/dev/shm``: the
 credentials never go to a disk. A process re-reads the file, or resolves afresh under the lock,
-5 minutes before the expiry. The file is named after the profile and the variables that choose
-where credentials come from, so two configurations never share.
+5 minutes before the expiry; credentials a store refused as expired before that are forgotten
+(:func:`forget`, only if the file still holds them) and resolved afresh. The file is named after
+the profile and the variables that choose where credentials come from, so two configurations never
+share.
 """
 
 from __future__ import annotations
