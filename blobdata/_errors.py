@@ -197,6 +197,7 @@ _DEFAULT_HINT = "check the credentials in storage_options and the bucket policy"
 _DENIED_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled",
     "InvalidToken", "AccountProblem", "AuthorizationFailure", "AuthenticationFailed", "Forbidden",
+    "TokenRefreshRequired", "ExpiredTokenException",
 })  # fmt: skip
 _THROTTLE_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",

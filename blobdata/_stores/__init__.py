@@ -4,13 +4,13 @@
 store             reader (one object, one attempt)        lister (what lies below a folder)
 ================  ======================================  ===========================================
 ``s3://``         :class:`.s3.S3Reader` (SigV4 over h1)   :class:`.s3_listing.S3LeanLister` (or s3fs)
-``gs://``         :class:`.gcs.GCSReader` (aiohttp)       gcsfs through :class:`.fsspec.AsyncFsLister`
+``gs://``         :class:`.gcs.GCSReader` (aiohttp)       :class:`.gcs.GCSLister` (objects.list, aiohttp)
 ``az://``         :class:`.azure.AzureReader` (SDK)       adlfs through :class:`.fsspec.AsyncFsLister`
 local, file://    :class:`.local.LocalReader`             :class:`.local.LocalLister` (as torchvision)
 ``memory://``     :class:`.fsspec.FsspecReader`           :class:`.fsspec.MemoryLister`
 ================  ======================================  ===========================================
 
-Beside them: :mod:`.s3_ranges` lists one S3 prefix in parallel (ranges of its key space),
+Beside them: :mod:`.s3_ranges` lists one S3 or GCS prefix in parallel (ranges of its key space),
 :mod:`.node_credentials` resolves refreshable AWS credentials once per node, and each store module's
 ``STORE`` (a :class:`~.base.StoreInfo`) holds its facts: the environment it reads, what names its
 listings and its throttle controller, what to check when it refuses credentials.
@@ -140,6 +140,10 @@ def lister_for(url: BlobURL, storage_options: Mapping[str, Any], options: FetchO
 
         if lean_s3(storage_options):
             return S3LeanLister(url, storage_options, options)
+    if url.protocol == "gs":
+        from .gcs import GCSLister
+
+        return GCSLister(url, storage_options, options)
     fs = get_fs(url.protocol, storage_options)
     if url.protocol == "memory":
         return MemoryLister(url, fs)

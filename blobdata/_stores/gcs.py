@@ -29,13 +29,13 @@ import datetime
 import json
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import aiohttp
 import yarl
 
 from .. import _process
-from .._config import env
+from .._config import FetchOptions, env
 from .._errors import (
     BlobdataError,
     FetchError,
@@ -45,14 +45,20 @@ from .._errors import (
     TransientError,
     from_status,
 )
-from .base import ReadResult, StoreInfo
+from .._url import BlobURL
+from .base import ReadResult, StoreInfo, listed_size
 from .fsspec import get_fs
 from .http import ProcessBound, check_content_range, grown, lean_session, read_capped
 from .network import proxy_url, redact_url
+from .s3_listing import PagedLister
+from .s3xml import ListPage
 
-__all__ = ["GCSReader", "identity"]
+__all__ = ["GCSLister", "GCSReader", "identity"]
 
 _DEFAULT_LOCATION = "https://storage.googleapis.com"
+# Bytes of one objects.list answer: 1,000 entries take well under 1 MiB, but an emulator that ignores
+# maxResults (gcp-storage-emulator) sends the whole prefix in one answer (about 0.5 KiB an object).
+_LIST_BODY_CAP = 256 * 1024 * 1024
 _UNSIZED_CAP = 1 << 30  # bytes of a whole read whose size was not listed
 _REFRESH_MARGIN_S = 300.0  # refresh a token this long before it expires (gcsfs uses the same margin)
 
@@ -126,6 +132,60 @@ class GCSReader:
             query.append(f"userProject={quote(str(self._user_project), safe='')}")
         prefix = "/download" if media else ""
         return yarl.URL(f"{self._location}{prefix}{path}?{'&'.join(query)}", encoded=True)
+
+    async def list_page(
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        delimiter: str | None,
+        token: str | None,
+        start_offset: str | None = None,
+        timeout: float,
+        max_keys: int = 1000,
+    ) -> ListPage:
+        """One objects.list page of the objects of ``bucket`` under ``prefix``; no retries.
+
+        ``delimiter`` groups names into ``common_prefixes``; ``token`` is the previous page's
+        ``nextPageToken``; ``start_offset`` lists only names from it on (inclusive); ``max_keys`` caps
+        the page. Identities are generations (:func:`identity`). Raises NotFound (no such bucket),
+        AccessDenied, FetchError, or :class:`~blobdata._errors.TransientError` to retry.
+        """
+        url = f"gs://{bucket}/{prefix}"
+        query = {"prefix": prefix, "maxResults": str(max_keys), "projection": "noAcl",
+                 "fields": "nextPageToken,prefixes,items(name,size,generation,etag)"}  # fmt: skip
+        if delimiter:
+            query["delimiter"] = delimiter
+        if token is not None:
+            query["pageToken"] = token
+        if start_offset is not None:
+            query["startOffset"] = start_offset
+        if self._user_project:
+            query["userProject"] = str(self._user_project)
+        target = yarl.URL(
+            f"{self._location}/storage/v1/b/{quote(bucket, safe='')}/o?{urlencode(query, quote_via=quote)}",
+            encoded=True,
+        )
+        session = self._sessions.get()
+        headers = await self._headers()
+        try:
+            async with session.get(target, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout),
+                                   allow_redirects=False, proxy=self._proxy) as resp:  # fmt: skip
+                status = resp.status
+                if status != 200:
+                    await resp.content.read(8192)
+                    raise from_status(url, status, hint=STORE.credential_hint, what="listing",
+                                      retry_after=resp.headers.get("Retry-After"))  # fmt: skip
+                body = await read_capped(resp, _LIST_BODY_CAP, url)
+        except asyncio.TimeoutError as exc:
+            raise TransientError("timeout", f"{url}: no complete response within {timeout:g}s") from exc
+        except aiohttp.ClientPayloadError as exc:
+            raise TransientError("short_read", f"{url}: connection closed mid-listing") from exc
+        except aiohttp.ClientSSLError as exc:
+            raise _tls_error(url, self._location, exc) from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise TransientError("connection", f"{url}: connection failed ({type(exc).__name__})") from exc
+        return _parse_page(body, url, bucket)
 
     # -- the request -------------------------------------------------------------------------
     async def read(
@@ -243,6 +303,22 @@ class GCSReader:
         return str(generation) if generation is not None else None
 
 
+def _parse_page(body: bytes, url: str, bucket: str) -> ListPage:
+    """One objects.list response as a :class:`ListPage` (a retryable error when it is not one)."""
+    try:
+        doc = json.loads(body)
+        items = doc.get("items") or []
+        prefixes = [str(p) for p in doc.get("prefixes") or []]
+        token = doc.get("nextPageToken")
+        keys = [str(i["name"]) for i in items]
+        sizes = [listed_size(i.get("size") or 0, f"gs://{bucket}/{i['name']}") for i in items]
+        ids = [identity(i) for i in items]
+    except (ValueError, AttributeError, KeyError, TypeError):
+        raise TransientError("server", f"{url}: the store sent a listing that is not objects.list JSON") \
+            from None
+    return ListPage(keys, sizes, ids, prefixes, str(token) if token else None)
+
+
 def _tls_error(url: str, location: str, exc: aiohttp.ClientSSLError) -> FetchError:
     cause = getattr(exc, "certificate_error", None) or getattr(exc, "os_error", None) or exc
     reason = getattr(cause, "verify_message", None) or getattr(cause, "reason", None) or str(cause)
@@ -283,3 +359,43 @@ STORE = StoreInfo(
     resolve=_resolve,
     listing_scope=lambda opts: f"gs:{opts.get('endpoint_url') or env('STORAGE_EMULATOR_HOST') or 'google'}",
 )
+
+
+class GCSLister(PagedLister):
+    """objects.list pages on blobdata's own session (:class:`GCSReader`), checked as S3's are
+    (:class:`~blobdata._stores.s3_listing.PagedLister`); a prefix of more than two pages is listed in
+    key ranges at once (:mod:`.s3_ranges`), each range from ``startOffset``.
+
+    ``startOffset`` is inclusive: a range after key ``k`` starts at ``k + "\\x00"``, the first name
+    after ``k``. ``endOffset`` is deliberately not sent: a range reads on to the first name past its end,
+    which is what proves that two ranges meet (the next range must find that very name first); a
+    server-side cut would hide it. A store that ignores ``startOffset`` (it sends names before the
+    offset) fails that check and the prefix is listed again page by page.
+    """
+
+    store = "gs"
+    hint = STORE.credential_hint
+    whole_ok = True  # gcp-storage-emulator ignores maxResults: the whole prefix, one answer, no token
+
+    def __init__(self, url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions) -> None:
+        super().__init__(url, options)
+        self.reader = GCSReader(storage_options, concurrency=options.concurrency)
+
+    async def _request(
+        self, prefix: str, delimiter: str | None, token: str | None, start_after: str | None, timeout: float
+    ) -> ListPage:
+        from . import s3_listing
+
+        start = start_after + "\x00" if start_after is not None and token is None else None
+        page = await self.reader.list_page(self.url.bucket, prefix, delimiter=delimiter, token=token,
+                                           start_offset=start, timeout=timeout,
+                                           max_keys=s3_listing._PAGE_KEYS)  # fmt: skip
+        if any(k.endswith("/") for k in page.keys):  # folder placeholders: not objects (as gcsfs lists)
+            keep = [i for i, k in enumerate(page.keys) if not k.endswith("/")]
+            page = ListPage([page.keys[i] for i in keep], [page.sizes[i] for i in keep],
+                            [page.etags[i] for i in keep], page.common_prefixes, page.next_token)  # fmt: skip
+        return page
+
+    async def aclose(self) -> None:
+        self._warn_outside()
+        await self.reader.close()

@@ -8,8 +8,10 @@ Only refreshable credentials (those with an expiry: IMDS, containers, SSO, assum
 ``credential_process``) are shared; static keys from the environment or the config files are cheap
 to read and are never written anywhere. Nothing is shared where there is no ``/dev/shm``: the
 credentials never go to a disk. A process re-reads the file, or resolves afresh under the lock,
-5 minutes before the expiry. The file is named after the profile and the variables that choose
-where credentials come from, so two configurations never share.
+5 minutes before the expiry; credentials a store refused as expired before that are forgotten
+(:func:`forget`, only if the file still holds them) and resolved afresh. The file is named after
+the profile and the variables that choose where credentials come from, so two configurations never
+share.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["node_chain"]
+__all__ = ["forget", "node_chain"]
 
 _MARGIN_S = 300.0  # refresh this long before the expiry, as botocore's advisory refresh does
 _SOURCES = (
@@ -138,3 +140,21 @@ def node_chain(profile: str | None, resolve: Callable[[], Any]) -> Any:
         return _locked(path, resolve)
     except OSError:
         return resolve()  # nothing shared, nothing lost
+
+
+def forget(profile: str | None, stale: Any) -> None:
+    """Remove the node's shared credentials for ``profile`` if they are ``stale`` (refused by the store as
+    expired before their stated expiry), so that the next resolution asks the chain again. Credentials
+    another process already refreshed are kept."""
+    path = _path(profile)
+    if path is None:
+        return
+    try:
+        with open(path + ".lock", "a") as lock:
+            os.chmod(lock.name, 0o600)
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            shared = _read(path)
+            if shared is not None and tuple(shared[0]) == (stale.access_key, stale.secret_key, stale.token):
+                os.unlink(path)
+    except OSError:
+        pass  # nothing shared: the next resolution asks the chain anyway

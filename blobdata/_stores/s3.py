@@ -41,20 +41,31 @@ from typing import Any, TypeVar
 import yarl
 
 from .._config import env
-from .._errors import ConfigError, FetchError, ObjectChanged, RangeIgnored, TransientError, from_status
+from .._errors import (
+    AccessDenied,
+    ConfigError,
+    FetchError,
+    ObjectChanged,
+    RangeIgnored,
+    TransientError,
+    from_status,
+)
 from .base import ReadResult, StoreInfo
 from .h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
 from .h1 import RangeIgnored as _H1RangeIgnored
 from .http import ProcessBound, check_content_range, grown
 from .network import ca_bundle, proxy_settings, redact_url
 from .s3xml import ListPage, list_query, parse_list_page
-from .sigv4 import Credentials, SigV4Signer, cached_chain, quote_key, resolve_chain
+from .sigv4 import Credentials, SigV4Signer, cached_chain, quote_key, refresh_chain, resolve_chain
 
-__all__ = ["S3ErrorResponse", "S3Reader", "split_identity"]
+__all__ = ["EXPIRED_CODES", "S3ErrorResponse", "S3Reader", "split_identity"]
 
 T = TypeVar("T")
 
 _CODE_RE = re.compile(rb"<Code>([^<]{1,80})</Code>")
+#: The error codes of a request signed with expired temporary credentials (S3 sends ``ExpiredToken``,
+#: and ``TokenRefreshRequired`` for a token that must be renewed; ``ExpiredTokenException`` is STS's).
+EXPIRED_CODES = frozenset({"ExpiredToken", "TokenRefreshRequired", "ExpiredTokenException"})
 _REGION_RE = re.compile(rb"<Region>([a-z0-9-]{1,40})</Region>")
 #: The most bytes of one ListObjectsV2 page (1,000 entries of keys up to 1,024 bytes, URL-encoded).
 LIST_BODY_CAP = 16 * 1024 * 1024
@@ -149,6 +160,15 @@ class S3Reader:
         """Close this process's connections (safe to call more than once)."""
         await self._pools.aclose()
 
+    async def _refreshed(self, stale: Credentials) -> Credentials | None:
+        """Credentials resolved afresh after the store refused ``stale`` as expired (off the loop: the
+        chain may run a process or ask the instance metadata service); None if the chain has none."""
+        creds = await asyncio.to_thread(refresh_chain, self._profile, stale)
+        if creds is None:
+            return None
+        frozen = creds.get_frozen_credentials()
+        return Credentials(frozen.access_key, frozen.secret_key, frozen.token)
+
     async def _credentials(self) -> Credentials | None:
         if self._anon:
             return None
@@ -201,6 +221,9 @@ class S3Reader:
         whole request, connect to last byte; ``max_body`` (bytes) bounds a 2xx body; ``ranged``:
         the headers ask for a range (a 200 raises :class:`~blobdata._errors.RangeIgnored`);
         ``too_large`` makes the error for a Content-Length over ``max_body`` (default: retryable).
+        A request refused as signed with expired credentials (:data:`EXPIRED_CODES`) is signed again,
+        once, with credentials resolved afresh (:func:`~.sigv4.refresh_chain`, for this process and the
+        node); a second refusal is a final AccessDenied saying so.
         """
         pool = self._pools.get()
         # Static and anonymous credentials without a coroutine per request; the chain awaits.
@@ -210,7 +233,8 @@ class S3Reader:
             creds = self._static
         else:
             creds = await self._credentials()
-        for attempt in (0, 1):  # the second pass only after learning the bucket's region
+        moved = refreshed = False  # one retry at the bucket's own region; one with refreshed credentials
+        while True:
             origin, host, path, region = self._locate(bucket, key)
             # Host first, as clients conventionally send it; the signer signs it either way.
             headers = {"Host": host, **self._extra_headers, **extra_headers}
@@ -253,16 +277,33 @@ class S3Reader:
             if new_region is None and status == 400:
                 m = _REGION_RE.search(err_body)
                 new_region = m.group(1).decode() if m else None
-            if status in (301, 400) and new_region and new_region != region and attempt == 0:
+            if status in (301, 400) and new_region and new_region != region and not moved:
                 self._bucket_region[bucket] = new_region
+                moved = True
+                continue
+            code = _error_code(err_body)
+            if status in (400, 403) and code in EXPIRED_CODES and creds is not None:
+                if self._static is not None:
+                    raise AccessDenied(f"{url}: the store refused the session token given in storage_options "
+                                       f"as expired (HTTP {status} {code}); pass fresh key/secret/token, or "
+                                       "leave them out to use the AWS credential chain", url)  # fmt: skip
+                if refreshed:
+                    raise AccessDenied(
+                        f"{url}: the store refused the request twice as signed with expired credentials "
+                        f"(HTTP {status} {code}); they were resolved again once and the new ones were "
+                        "refused too, so the credentials expired and could not be refreshed: check their "
+                        "source (the instance role, `aws sso login`, the profile's credential_process)", url,
+                    )  # fmt: skip
+                refreshed = True
+                creds = await self._refreshed(creds)
+                if creds is None:
+                    raise AccessDenied(f"{url}: the store refused the credentials as expired (HTTP {status} "
+                                       f"{code}) and the credential chain found none when asked again; "
+                                       f"{STORE.credential_hint}", url)  # fmt: skip
                 continue
             raise _http_error(url, status, err_body, resp.headers.get("Retry-After")) from (
                 S3ErrorResponse(status, _error_code(err_body) or None)
             )
-        raise FetchError(
-            f"{url}: the store redirected to another region twice; set client_kwargs.region_name", url
-        )
-
     async def read(
         self,
         bucket: str,

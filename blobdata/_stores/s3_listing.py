@@ -7,12 +7,14 @@ stated by the one error map, as s3fs's errors are.
 
 A listing the store drives must end: every continuation token of a listing is remembered (one sent
 again is an error), keys and common prefixes must increase from entry to entry and page to page, a
-page may hold no more entries than asked for, 1,000 pages in a row without an entry is an error,
-and the whole listing has a deadline (``FetchOptions.listing_timeout``). Keys and prefixes outside
-the requested prefix are dropped, and named in one warning when the listing ends.
+page may hold no more entries than asked for (but for a last page where ``whole_ok``), 1,000 pages
+in a row without an entry is an error, and the whole listing has a deadline
+(``FetchOptions.listing_timeout``). Keys and prefixes outside the requested prefix are dropped, and
+named in one warning when the listing ends.
 
 A prefix of more than one page is listed in key ranges at once (:mod:`.s3_ranges`): the same keys in
-the same order as page by page, each range's pages checked as above.
+the same order as page by page, each range's pages checked as above. :class:`PagedLister` holds these
+checks for any store whose pages carry a continuation token (GCS's lister is one too).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from .s3 import STORE, S3Reader
 from .s3_ranges import list_page_after, list_prefix
 from .s3xml import ListPage
 
-__all__ = ["S3LeanLister", "S3fsLister", "identity", "lean_s3"]
+__all__ = ["PagedLister", "S3LeanLister", "S3fsLister", "identity", "lean_s3"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,22 +126,36 @@ class _Order:
         return None
 
 
-class S3LeanLister:
-    """ListObjectsV2 pages through blobdata's own signed requests, parsed with ``xml.etree``.
+class PagedLister:
+    """The checks of a listing the store drives, page by page (see the module docstring), for any store
+    whose listing pages carry a continuation token: S3's ListObjectsV2 (:class:`S3LeanLister`) and
+    GCS's objects.list (:class:`~blobdata._stores.gcs.GCSLister`). A subclass sends one page
+    (:meth:`_request`); ``store`` is its scheme and ``hint`` its credential hint, for the messages.
 
     One lister is one listing: its deadline (``options.listing_timeout``) starts at its first
     request and covers every page of every prefix it lists.
     """
 
-    def __init__(self, url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions) -> None:
+    store = "s3"
+    hint = ""
+    #: Whether a last page (no continuation token) may hold more entries than asked: the whole prefix in
+    #: one answer, as GCS emulators that ignore ``maxResults`` send it.
+    whole_ok = False
+
+    def __init__(self, url: BlobURL, options: FetchOptions) -> None:
         self.url = url
-        self.reader = S3Reader(storage_options, concurrency=options.concurrency)
         self.options = options
         self.base = url.prefix + "/" if url.prefix else ""
         self._deadline: float | None = None
         self._slots: asyncio.Semaphore | None = None  # for the extra ranges of every prefix together
         self._outside: list[str] = []  # the first keys outside the requested prefix
         self._outside_count = 0
+
+    async def _request(
+        self, prefix: str, delimiter: str | None, token: str | None, start_after: str | None, timeout: float
+    ) -> ListPage:
+        """One page (after ``start_after`` when given and ``token`` is None); no retries."""
+        raise NotImplementedError
 
     def _fail(self, what: str) -> FetchError:
         root = str(self.url)
@@ -162,17 +178,11 @@ class S3LeanLister:
             self._deadline = loop.time() + opts.listing_timeout
         left = self._deadline - loop.time()
         timeout = min(opts.timeout, max(left, 0.001))
-        call = functools.partial(
-            self.reader.list_page, bucket, prefix, delimiter=delimiter, continuation=token,
-            timeout=timeout, max_keys=_PAGE_KEYS,
-        )  # fmt: skip
-        if start_after is not None and token is None:
-            call = functools.partial(list_page_after, self.reader, bucket, prefix, start_after,
-                                     timeout=timeout, max_keys=_PAGE_KEYS)  # fmt: skip
+        call = functools.partial(self._request, prefix, delimiter, token, start_after, timeout)
         try:
             if left <= 0:
                 raise TimeoutError
-            pages_call = with_retries(call, url=f"s3://{bucket}/{prefix}", options=opts)
+            pages_call = with_retries(call, url=f"{self.store}://{bucket}/{prefix}", options=opts)
             return await asyncio.wait_for(pages_call, left)
         except BlobdataError as exc:
             # Restated for the dataset's root, as a listing error, from the store's status and code
@@ -181,7 +191,7 @@ class S3LeanLister:
             if isinstance(origin, TransientError) and origin.__cause__ is not None:
                 origin = origin.__cause__
             err = final_error(
-                origin or exc, root, hint=STORE.credential_hint, what="listing", timeout=opts.timeout,
+                origin or exc, root, hint=self.hint, what="listing", timeout=opts.timeout,
                 attempts=opts.attempts,
             )  # fmt: skip
             if err is exc:
@@ -190,8 +200,9 @@ class S3LeanLister:
         except TimeoutError:  # the listing's deadline (a page's own is with_retries' FetchTimeout)
             raise FetchTimeout(
                 f"listing of {root} did not end within listing_timeout={opts.listing_timeout:g}s "
-                f"({pages} pages of s3://{bucket}/{prefix} so far); raise FetchOptions(listing_timeout=) "
-                "for a folder that large, or check the store: a listing that never ends is its fault",
+                f"({pages} pages of {self.store}://{bucket}/{prefix} so far); raise "
+                "FetchOptions(listing_timeout=) for a folder that large, or check the store: a listing "
+                "that never ends is its fault",
                 url=root,
             ) from None
 
@@ -208,7 +219,7 @@ class S3LeanLister:
             page = await self._page(prefix, delimiter, token, pages, start_after)
             pages += 1
             keys, prefixes = page.keys, page.common_prefixes
-            if len(keys) + len(prefixes) > _PAGE_KEYS:
+            if len(keys) + len(prefixes) > _PAGE_KEYS and (page.next_token is not None or not self.whole_ok):
                 raise self._fail(f"the store sent {len(keys) + len(prefixes)} entries in a page of at most "
                                  f"{_PAGE_KEYS}")  # fmt: skip
             for order, names in zip(orders, (keys, prefixes), strict=True):
@@ -233,7 +244,7 @@ class S3LeanLister:
 
     def _inside(self, page: ListPage, prefix: str) -> ListPage:
         """``page`` without the keys and prefixes outside ``prefix`` (remembered for the warning)."""
-        bucket_url = f"s3://{self.url.bucket}/"
+        bucket_url = f"{self.store}://{self.url.bucket}/"
         keep = [i for i, k in enumerate(page.keys) if k.startswith(prefix)]
         outside = [k for k in page.keys if not k.startswith(prefix)]
         outside += [p for p in page.common_prefixes if not p.startswith(prefix)]
@@ -248,6 +259,15 @@ class S3LeanLister:
             [p for p in page.common_prefixes if p.startswith(prefix)],
             page.next_token,
         )
+
+    def _warn_outside(self) -> None:
+        if self._outside_count:
+            logger.warning(
+                "listing of %s: dropped %d key(s) outside the requested prefix (%s%s); the store or a proxy "
+                "answered for another prefix", self.url, self._outside_count, ", ".join(self._outside),
+                ", ..." if self._outside_count > len(self._outside) else "",
+            )  # fmt: skip
+            self._outside, self._outside_count = [], 0
 
     async def folders(self) -> tuple[list[str], bool]:
         cut = len(self.base)
@@ -269,14 +289,27 @@ class S3LeanLister:
         )
         return [(k[cut:], size, etag) for k, size, etag in found]
 
+
+class S3LeanLister(PagedLister):
+    """ListObjectsV2 pages through blobdata's own signed requests, parsed with ``xml.etree``."""
+
+    hint = STORE.credential_hint
+
+    def __init__(self, url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions) -> None:
+        super().__init__(url, options)
+        self.reader = S3Reader(storage_options, concurrency=options.concurrency)
+
+    async def _request(
+        self, prefix: str, delimiter: str | None, token: str | None, start_after: str | None, timeout: float
+    ) -> ListPage:
+        if start_after is not None and token is None:
+            return await list_page_after(self.reader, self.url.bucket, prefix, start_after, timeout=timeout,
+                                         max_keys=_PAGE_KEYS)  # fmt: skip
+        return await self.reader.list_page(self.url.bucket, prefix, delimiter=delimiter, continuation=token,
+                                           timeout=timeout, max_keys=_PAGE_KEYS)  # fmt: skip
+
     async def aclose(self) -> None:
-        if self._outside_count:
-            logger.warning(
-                "listing of %s: dropped %d key(s) outside the requested prefix (%s%s); the store or a proxy "
-                "answered for another prefix", self.url, self._outside_count, ", ".join(self._outside),
-                ", ..." if self._outside_count > len(self._outside) else "",
-            )  # fmt: skip
-            self._outside, self._outside_count = [], 0
+        self._warn_outside()
         await self.reader.close()
 
 

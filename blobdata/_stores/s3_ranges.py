@@ -1,5 +1,6 @@
-"""Listing one S3 prefix in parallel: its key space cut into ranges listed at once, the result the very
-list a page-by-page listing gives.
+"""Listing one S3 (or GCS) prefix in parallel: its key space cut into ranges listed at once, the result the
+very list a page-by-page listing gives. GCS's objects.list serves the same way, ``startOffset`` standing
+for ``start-after`` (:class:`~blobdata._stores.gcs.GCSLister`).
 
 ListObjectsV2 pages follow one another (each continuation token comes with the page before), so a
 prefix of 200,000 keys is 200 round trips in a row. ``start-after`` starts a listing anywhere in the
@@ -245,8 +246,9 @@ async def list_prefix(
         raise
     if _consistent(ranges):
         return [f for r in ranges for f in r.found]
-    logger.info("listing s3://%s/%s: the store's start-after does not follow S3's key order; listed page "
-                "by page instead", lister.url.bucket, prefix)  # fmt: skip
+    logger.info("listing %s://%s/%s: the store's start-after (GCS: startOffset) does not follow the key "
+                "order; listed page by page instead", getattr(lister, "store", "s3"), lister.url.bucket,
+                prefix)  # fmt: skip
     out: list[Found] = []
     async for page in lister._pages(prefix, None):
         out.extend(zip(page.keys, page.sizes, page.etags, strict=True))

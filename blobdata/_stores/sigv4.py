@@ -23,6 +23,7 @@ __all__ = [
     "SigV4Signer",
     "cached_chain",
     "quote_key",
+    "refresh_chain",
     "resolve_chain",
 ]
 
@@ -184,3 +185,22 @@ def resolve_chain(profile: str | None) -> Any:
             # Once per node: the other processes read what the first resolved (node_credentials).
             chains[cache_key] = node_chain(profile, session.get_credentials)
         return chains[cache_key]
+
+
+def refresh_chain(profile: str | None, stale: Credentials) -> Any:
+    """The chain for ``profile`` resolved afresh after a store refused ``stale`` as expired: this process's
+    resolution, and the node's shared copy when it still holds ``stale``, are forgotten first. Threads
+    (or processes of the node) that saw the same refusal together resolve once: one that finds the
+    chain already holding other credentials takes them. Blocking (run it in a thread)."""
+    from .node_credentials import forget
+
+    cache_key = (_process.pid(), profile)
+    with _chain_lock:
+        current = chains.get(cache_key)
+        if current is not None:
+            frozen = current.get_frozen_credentials()
+            if (frozen.access_key, frozen.secret_key, frozen.token) != tuple(stale):
+                return current  # refreshed meanwhile
+            del chains[cache_key]
+        forget(profile, stale)
+    return resolve_chain(profile)
