@@ -40,9 +40,9 @@ from .._errors import BlobdataError, ConfigError, ManifestError
 from .._node import check_shared_dir, is_own, read_own, write_own
 from .._url import check_relkeys
 from .manifest import Manifest
-from .mapping import Buffer, publish
+from .mapping import Buffer, publish, write_atomic
 from .samples import SampleTable
-from .tablefile import load_table, table_from_bytes, table_to_bytes, write_atomic
+from .tablefile import load_table, table_from_bytes, table_to_bytes
 
 __all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest", "shared_table"]
 

@@ -26,13 +26,9 @@ Keys are stored as the UTF-8 bytes of the key relative to the root (``surrogatep
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import struct
-import tempfile
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,14 +38,13 @@ import numpy.typing as npt
 
 from .._config import cache_home
 from .._errors import ManifestError
-from .mapping import Buffer, is_verified, makedirs_private, mark_verified, read_source
+from .mapping import Buffer, is_verified, mark_verified, read_source, write_atomic
+from .packed import pack, unpack
 
 __all__ = ["FORMAT_VERSION", "Manifest", "manifest_path"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"BLOBMANI"
-_PREAMBLE = struct.Struct("<8sIQI")
-_ALIGN = 64
 _ENC = "utf-8"
 _ERRORS = "surrogatepass"
 # name -> dtype; the order is the order on disk.
@@ -294,13 +289,7 @@ class Manifest:
     # -- storage --------------------------------------------------------------------------
 
     def to_bytes(self) -> bytes:
-        """The on-disk form (see the module docstring)."""
-        arrays = {name: np.ascontiguousarray(a, dtype=_ARRAYS[name]) for name, a in self._arrays().items()}
-        layout: dict[str, dict[str, Any]] = {}
-        pos = 0
-        for name, a in arrays.items():
-            layout[name] = {"dtype": _ARRAYS[name], "offset": pos, "nbytes": int(a.nbytes)}
-            pos += -(-a.nbytes // _ALIGN) * _ALIGN
+        """The on-disk form (see the module docstring and :mod:`blobdata._listing.packed`)."""
         header = {
             "format": FORMAT_VERSION,
             "root": self.root,
@@ -309,39 +298,15 @@ class Manifest:
             "listed_at": self.listed_at,
             "skipped": self.skipped,
             "params": self.params,
-            "arrays": layout,
         }
-        head = json.dumps(header, ensure_ascii=True).encode("ascii")
-        start = -(-(_PREAMBLE.size + len(head)) // _ALIGN) * _ALIGN
-        out = bytearray(start + pos)
-        out[_PREAMBLE.size : _PREAMBLE.size + len(head)] = head
-        for name, a in arrays.items():
-            off = start + layout[name]["offset"]
-            out[off : off + a.nbytes] = a.data.cast("B")
-        crc = zlib.crc32(memoryview(out)[_PREAMBLE.size :])
-        _PREAMBLE.pack_into(out, 0, _MAGIC, FORMAT_VERSION, len(head), crc)
-        return bytes(out)
+        return pack(_MAGIC, FORMAT_VERSION, header, self._arrays(), _ARRAYS)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write atomically: a 0600 temp file in the same directory, fsync, then ``os.replace``.
 
         Missing parent directories are created with mode 0700.
         """
-        target = Path(path)
-        makedirs_private(target.parent)
-        data = self.to_bytes()
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(Path(path), self.to_bytes())
 
     @classmethod
     def from_bytes(cls, data: Buffer, *, source: str = "<bytes>", verified: bool = False) -> Manifest:
@@ -355,23 +320,14 @@ class Manifest:
                 url=source,
             )
 
-        if len(data) < _PREAMBLE.size:
-            raise bad(f"only {len(data)} bytes, too short for a manifest")
-        magic, version, head_len, expected_crc = _PREAMBLE.unpack_from(data, 0)
-        if magic != _MAGIC:
-            raise bad("not a blobdata manifest (wrong magic bytes)")
-        if version != FORMAT_VERSION:
-            raise bad(f"format version {version}, this blobdata reads version {FORMAT_VERSION}")
-        if _PREAMBLE.size + head_len > len(data):
-            raise bad("truncated header")
-        if not verified and zlib.crc32(memoryview(data)[_PREAMBLE.size :]) != expected_crc:
-            raise bad(f"checksum mismatch: the {len(data)}-byte file is corrupt or truncated")
+        header, arrays = unpack(
+            data, magic=_MAGIC, version=FORMAT_VERSION, dtypes=_ARRAYS, kind="manifest", verified=verified,
+            bad=bad,
+        )  # fmt: skip
         try:
-            header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + head_len].decode("ascii"))
             root = header["root"]
             classes = header["classes"]
             count = header["count"]
-            layout = header["arrays"]
             listed_at = float(header["listed_at"])
         except (ValueError, KeyError, TypeError) as exc:
             raise bad(f"corrupt header ({exc.__class__.__name__}: {exc})") from None
@@ -380,28 +336,8 @@ class Manifest:
             and isinstance(classes, list)
             and all(isinstance(c, str) for c in classes)
             and isinstance(count, int)
-            and isinstance(layout, dict)
         ):
             raise bad("header fields have the wrong types")
-        start = -(-(_PREAMBLE.size + head_len) // _ALIGN) * _ALIGN
-        arrays: dict[str, npt.NDArray[Any]] = {}
-        for name, dtype in _ARRAYS.items():
-            spec = layout.get(name)
-            if not isinstance(spec, dict) or spec.get("dtype") != dtype:
-                raise bad(f"array {name!r} missing or of the wrong type")
-            off, nbytes = spec.get("offset"), spec.get("nbytes")
-            if not isinstance(off, int) or not isinstance(nbytes, int) or off < 0 or nbytes < 0:
-                raise bad(f"array {name!r} has an invalid position")
-            if start + off + nbytes > len(data):
-                raise bad(f"truncated: array {name!r} ends past the end of the {len(data)}-byte file")
-            if nbytes % np.dtype(dtype).itemsize:
-                raise bad(f"array {name!r} has a partial element")
-            # Zero-copy views into ``data``: one bytes object, no per-sample Python objects.
-            a = np.frombuffer(data, dtype=dtype, count=nbytes // np.dtype(dtype).itemsize, offset=start + off)
-            arrays[name] = a
-        end = max(start + layout[n]["offset"] + -(-layout[n]["nbytes"] // _ALIGN) * _ALIGN for n in _ARRAYS)
-        if len(data) != end:
-            raise bad(f"{len(data)} bytes where the header describes {end}: truncated or with trailing data")
         if len(arrays["sizes"]) != count:
             raise bad(f"header says {count} samples, arrays hold {len(arrays['sizes'])}")
         try:

@@ -35,7 +35,15 @@ from typing import Any
 from .._errors import ManifestError, NotFound
 from .._url import parse_url
 
-__all__ = ["Buffer", "is_verified", "makedirs_private", "mark_verified", "publish", "read_source"]
+__all__ = [
+    "Buffer",
+    "is_verified",
+    "makedirs_private",
+    "mark_verified",
+    "publish",
+    "read_source",
+    "write_atomic",
+]
 
 Buffer = bytes | mmap.mmap
 _MAX_MARKS = 512  # markers kept per user and node; the oldest go first
@@ -148,20 +156,44 @@ def makedirs_private(path: Path) -> None:
         os.chmod(d, 0o700)  # mkdir's mode is reduced by the umask
 
 
-def publish(path: Path, data: bytes) -> None:
-    """Write ``data`` as ``path`` once: a 0600 temporary file, fsync, then a hard link to ``path``,
-    which fails if another process of the node published it first (then theirs stays: one file, one
-    set of pages for every process that maps it). ``path`` never holds part of a file."""
-    makedirs_private(path.parent)
-    if path.exists():
-        return
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
+def _write_temp(target: Path, data: bytes) -> str:
+    """``data`` in a new 0600 temporary file beside ``target`` (missing parents made 0700), fsynced;
+    returns its path, which the caller links or renames into place, and removes on failure."""
+    makedirs_private(target.parent)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o600)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def write_atomic(target: Path, data: bytes) -> None:
+    """``data`` as ``target``: a 0600 temporary file in the same directory, fsync, then ``os.replace`` (a
+    process mapping the old file keeps it; nobody sees half a file). Missing parents are made 0700."""
+    tmp = _write_temp(target, data)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def publish(path: Path, data: bytes) -> None:
+    """Write ``data`` as ``path`` once: a 0600 temporary file, fsync, then a hard link to ``path``,
+    which fails if another process of the node published it first (then theirs stays: one file, one
+    set of pages for every process that maps it). ``path`` never holds part of a file."""
+    if path.exists():
+        return
+    tmp = _write_temp(path, data)
+    try:
         with contextlib.suppress(FileExistsError):
             os.link(tmp, path)
     finally:

@@ -23,34 +23,24 @@ pages) and its checksum verified once per file and node (:mod:`blobdata._listing
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import struct
-import tempfile
 import time
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from .._errors import ManifestError
 from .._url import check_relkeys
-from .mapping import Buffer, is_verified, makedirs_private, mark_verified, read_source
+from .mapping import Buffer, is_verified, mark_verified, read_source, write_atomic
+from .packed import pack, unpack
 from .samples import SampleTable
 
 __all__ = [
     "TABLE_MAGIC", "is_table", "load_table", "save_table", "table_from_bytes", "table_to_bytes",
-    "write_atomic",
 ]  # fmt: skip
 
 TABLE_MAGIC = b"BLOBSMPL"
 TABLE_VERSION = 1
-_PREAMBLE = struct.Struct("<8sIQI")
-_ALIGN = 64
 
 
 def is_table(head: bytes) -> bool:
@@ -60,13 +50,6 @@ def is_table(head: bytes) -> bool:
 
 def table_to_bytes(table: SampleTable, *, source: str = "") -> bytes:
     """The saved form of ``table`` (``source``: what it was made from, kept for messages)."""
-    dtypes = SampleTable.ARRAYS
-    arrays = {name: np.ascontiguousarray(a, dtype=dtypes[name]) for name, a in table.arrays().items()}
-    layout: dict[str, dict[str, Any]] = {}
-    pos = 0
-    for name, a in arrays.items():
-        layout[name] = {"dtype": dtypes[name], "offset": pos, "nbytes": int(a.nbytes)}
-        pos += -(-a.nbytes // _ALIGN) * _ALIGN
     header = {
         "format": TABLE_VERSION,
         "root": table.root,
@@ -75,18 +58,8 @@ def table_to_bytes(table: SampleTable, *, source: str = "") -> bytes:
         "where": table.where_template,
         "source": source,
         "saved_at": time.time(),
-        "arrays": layout,
     }
-    head = json.dumps(header, ensure_ascii=True).encode("ascii")
-    start = -(-(_PREAMBLE.size + len(head)) // _ALIGN) * _ALIGN
-    out = bytearray(start + pos)
-    out[_PREAMBLE.size : _PREAMBLE.size + len(head)] = head
-    for name, a in arrays.items():
-        off = start + layout[name]["offset"]
-        out[off : off + a.nbytes] = a.data.cast("B")
-    crc = zlib.crc32(memoryview(out)[_PREAMBLE.size :])
-    _PREAMBLE.pack_into(out, 0, TABLE_MAGIC, TABLE_VERSION, len(head), crc)
-    return bytes(out)
+    return pack(TABLE_MAGIC, TABLE_VERSION, header, table.arrays(), SampleTable.ARRAYS)
 
 
 def table_from_bytes(
@@ -102,24 +75,16 @@ def table_from_bytes(
             url=source,
         )
 
-    if len(data) < _PREAMBLE.size:
-        raise bad(f"only {len(data)} bytes, too short for a saved table")
-    magic, version, head_len, expected_crc = _PREAMBLE.unpack_from(data, 0)
-    if magic != TABLE_MAGIC:
-        raise bad("not a blobdata sample table (wrong magic bytes)")
-    if version != TABLE_VERSION:
-        raise bad(f"format version {version}, this blobdata reads version {TABLE_VERSION}")
-    if _PREAMBLE.size + head_len > len(data):
-        raise bad("truncated header")
-    if not verified and zlib.crc32(memoryview(data)[_PREAMBLE.size :]) != expected_crc:
-        raise bad(f"checksum mismatch: the {len(data)}-byte file is corrupt or truncated")
+    header, arrays = unpack(
+        data, magic=TABLE_MAGIC, version=TABLE_VERSION, dtypes=SampleTable.ARRAYS, kind="sample table",
+        verified=verified, bad=bad,
+    )  # fmt: skip
     try:
-        header = json.loads(bytes(data[_PREAMBLE.size : _PREAMBLE.size + head_len]).decode("ascii"))
-        root, where, layout = header["root"], header["where"], header["arrays"]
+        root, where = header["root"], header["where"]
         samples, objects = header["samples"], header["objects"]
     except (ValueError, KeyError, TypeError) as exc:
         raise bad(f"corrupt header ({exc.__class__.__name__}: {exc})") from None
-    if not (isinstance(root, str) and isinstance(where, str) and isinstance(layout, dict)):
+    if not (isinstance(root, str) and isinstance(where, str)):
         raise bad("header fields have the wrong types")
     if expect_root is not None and root != expect_root:
         raise ManifestError(
@@ -127,25 +92,6 @@ def table_from_bytes(
             f"{expect_root} (blobdata ls {expect_root} --index FILE --save-manifest PATH) or pass the index",
             url=source,
         )
-    start = -(-(_PREAMBLE.size + head_len) // _ALIGN) * _ALIGN
-    arrays: dict[str, npt.NDArray[Any]] = {}
-    end = start
-    for name, dtype in SampleTable.ARRAYS.items():
-        spec = layout.get(name)
-        if not isinstance(spec, dict) or spec.get("dtype") != dtype:
-            raise bad(f"array {name!r} missing or of the wrong type")
-        off, nbytes = spec.get("offset"), spec.get("nbytes")
-        if not isinstance(off, int) or not isinstance(nbytes, int) or off < 0 or nbytes < 0:
-            raise bad(f"array {name!r} has an invalid position")
-        if start + off + nbytes > len(data):
-            raise bad(f"truncated: array {name!r} ends past the end of the {len(data)}-byte file")
-        size = np.dtype(dtype).itemsize
-        if nbytes % size:
-            raise bad(f"array {name!r} has a partial element")
-        arrays[name] = np.frombuffer(data, dtype=dtype, count=nbytes // size, offset=start + off)
-        end = max(end, start + off + -(-nbytes // _ALIGN) * _ALIGN)
-    if len(data) != end:
-        raise bad(f"{len(data)} bytes where the header describes {end}: truncated or with trailing data")
     if len(arrays["offsets"]) != samples + 1 or len(arrays["sizes"]) != objects:
         raise bad(f"the header says {samples} samples of {objects} objects, the arrays hold others")
     try:
@@ -160,24 +106,6 @@ def table_from_bytes(
 def save_table(table: SampleTable, path: str | os.PathLike[str], *, source: str = "") -> None:
     """Write atomically (:func:`write_atomic`)."""
     write_atomic(Path(path).expanduser(), table_to_bytes(table, source=source))
-
-
-def write_atomic(target: Path, data: bytes) -> None:
-    """``data`` as ``target``: a 0600 temporary file in the same directory, fsync, then ``os.replace`` (a
-    process mapping the old file keeps it; nobody sees half a file). Missing parents are made 0700."""
-    makedirs_private(target.parent)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def load_table(
