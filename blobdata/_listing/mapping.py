@@ -50,11 +50,9 @@ _MAX_MARKS = 512  # markers kept per user and node; the oldest go first
 
 
 def _marks_dir() -> str | None:
-    from .._node import per_user_dir
+    from .._node import per_user_dir, user_dir
 
-    shm = "/dev/shm"
-    root = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else tempfile.gettempdir()
-    top = per_user_dir(root, f"blobdata-{os.geteuid()}")
+    top = user_dir()
     return per_user_dir(top, "verified") if top is not None else None
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from . import shm
 from .files import check_shared_dir, is_own, read_own, write_own
 from .owners import alive, per_user_dir, remove_owned_tree, started
-from .shm import make_locked_dir, make_owned_dir, shm_root, sweep, user_dir
+from .shm import make_locked_dir, make_owned_dir, memory_dir, shm_root, sweep, user_dir
 
 __all__ = [
     "alive",
@@ -23,6 +23,7 @@ __all__ = [
     "is_own",
     "make_locked_dir",
     "make_owned_dir",
+    "memory_dir",
     "per_user_dir",
     "read_own",
     "remove_owned_tree",

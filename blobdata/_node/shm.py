@@ -10,6 +10,8 @@ directory. Inside it, names say what a thing is and who made it:
 ``throttle-v1.bin``       the node's throttle table (one per user, shared by every process)
 ``plan-<pid>-<rand>/``    one loader's plan channel and its processes' counters
 ``copies-<pid>-<rand>/``  one process's temporary copies of objects, for a ``loader=`` that asks for a path
+``verified/``             markers of manifest files whose checksum passed on this node
+``credentials-*.json``    refreshable AWS credentials resolved once per node (only in ``/dev/shm``)
 ========================  ====================================================================
 
 A thing named ``<kind>-<pid>-...`` belongs to the process ``pid``; once that process is gone,
@@ -28,7 +30,7 @@ import tempfile
 from .. import _process
 from .owners import alive, hold, owner_gone, per_user_dir, remove_owned_tree
 
-__all__ = ["make_locked_dir", "make_owned_dir", "shm_root", "sweep", "user_dir"]
+__all__ = ["make_locked_dir", "make_owned_dir", "memory_dir", "shm_root", "sweep", "user_dir"]
 
 _SHM = "/dev/shm"
 
@@ -44,6 +46,12 @@ def user_dir(root: str | None = None) -> str | None:
     """This user's directory of node-shared state (made if missing, mode 0700); None when the path
     is something else (a link, another user's, open to others): then nothing is shared."""
     return per_user_dir(root or shm_root(), f"blobdata-{os.geteuid()}")
+
+
+def memory_dir() -> str | None:
+    """:func:`user_dir` only where it is memory (``/dev/shm``): for what must never reach a disk
+    (credentials); None elsewhere, and then nothing of the kind is shared."""
+    return user_dir() if shm_root() == _SHM else None
 
 
 def make_owned_dir(kind: str, root: str | None = None) -> str:

@@ -44,11 +44,9 @@ class _Frozen(NamedTuple):
 
 
 def _path(profile: str | None) -> str | None:
-    from .._node import per_user_dir
+    from .._node import memory_dir
 
-    if not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)):
-        return None
-    top = per_user_dir("/dev/shm", f"blobdata-{os.geteuid()}")
+    top = memory_dir()  # memory only: credentials never reach a disk
     if top is None:
         return None
     ident = json.dumps([profile, [os.environ.get(v) for v in _SOURCES]])
