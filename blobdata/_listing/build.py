@@ -39,6 +39,7 @@ def _no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
+@_no_cycle_collection()
 def build_table(
     root: str,
     *,
@@ -51,24 +52,8 @@ def build_table(
     fetch_options: FetchOptions,
     share: bool,
 ) -> SampleTable:
-    """The samples of the dataset at ``root`` (see :class:`~blobdata.BlobDataset`)."""
-    with _no_cycle_collection():
-        return _build(
-            root, storage_options, metadata, index, manifest, refresh, max_age, fetch_options, share
-        )
-
-
-def _build(
-    root: str,
-    storage_options: Mapping[str, Any],
-    metadata: str | None,
-    index: str | None,
-    manifest: str | None,
-    refresh: bool,
-    max_age: float | str | None,
-    fetch_options: FetchOptions,
-    share: bool,
-) -> SampleTable:
+    """The samples of the dataset at ``root`` (see :class:`~blobdata.BlobDataset`); the cycle
+    collector paused while millions of rows become a table."""
     from .metadata import find_metadata
 
     if index is not None:  # read by rank 0 alone; the others receive its table

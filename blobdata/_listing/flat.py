@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_duration
-from .._errors import BlobdataError, ConfigError, ManifestError, NotFound
+from .._errors import BlobdataError, ConfigError, NotFound
 from .._loop import run
 from .._retry import final_error
 from .._stores import credential_hint, lister_for, listing_scope, resolve_storage_options
 from .._url import BlobURL, parse_url
+from .folders import load_remembered
 from .manifest import Manifest, manifest_path
 
 __all__ = ["FLAT_PARAMS", "list_flat", "load_or_list_flat"]
@@ -107,17 +108,13 @@ def load_or_list_flat(
         return Manifest.load(
             source, storage_options=opts if m_proto == parsed.protocol else None, expect_root=root
         )
-    limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
+    if max_age is not None:  # a bad value is refused whatever the store
+        parse_duration(max_age, name="listing_max_age")
     remember = parsed.protocol not in ("memory", "file")
     path = manifest_path(root, listing_scope(parsed.protocol, opts), FLAT_PARAMS)
-    if remember and not refresh and path.exists():
-        try:
-            loaded = Manifest.load(path, expect_root=root)
-        except (ManifestError, NotFound) as exc:
-            logger.warning("remembered listing %s is unusable (%s); listing %s again", path, exc, root)
-        else:
-            if limit is None or time.time() - loaded.listed_at <= limit:
-                return loaded
+    loaded = load_remembered(path, root, max_age) if remember and not refresh else None
+    if loaded is not None:
+        return loaded
     listed = list_flat(url, storage_options=opts, fetch_options=fetch_options)
     if remember:
         try:

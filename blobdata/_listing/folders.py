@@ -19,6 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_duration
@@ -294,6 +295,29 @@ def _listing_options(fetch_options: FetchOptions | None, concurrency: int | None
     return options
 
 
+def load_remembered(path: Path, root: str, max_age: float | str | None) -> Manifest | None:
+    """The listing of ``root`` remembered at ``path`` if there is one, usable and younger than
+    ``max_age`` (None: any age); else None, and the caller lists again (an unusable file is said at
+    WARNING, one too old at INFO)."""
+    if not path.exists():
+        return None
+    limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
+    try:
+        loaded = Manifest.load(path, expect_root=root)
+    except (ManifestError, NotFound) as exc:
+        logger.warning("remembered listing %s is unusable (%s); listing %s again", path, exc, root)
+        return None
+    age = max(0.0, time.time() - loaded.listed_at)
+    if limit is not None and age > limit:
+        logger.info("remembered listing of %s is %s old (listing_max_age=%s): listing again",
+                    root, _human_age(age), max_age)  # fmt: skip
+        return None
+    logger.info("using the remembered listing of %s from %s ago (%d samples); pass "
+                "refresh=True (blobdata ls --refresh) to list the bucket again",
+                root, _human_age(age), len(loaded))  # fmt: skip
+    return loaded
+
+
 def load_or_list(
     url: str,
     *,
@@ -348,25 +372,14 @@ def load_or_list(
             root,
             is_valid_file,
         )
-    limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
+    if max_age is not None:  # a bad value is refused whatever the store
+        parse_duration(max_age, name="listing_max_age")
     path = manifest_path(root, listing_scope(parsed.protocol, opts), params)
-    if remember and not refresh and path.exists():
-        try:
-            loaded = Manifest.load(path, expect_root=root)
-        except (ManifestError, NotFound) as exc:
-            logger.warning("remembered listing %s is unusable (%s); listing %s again", path, exc, root)
-        else:
-            age = max(0.0, time.time() - loaded.listed_at)
-            if limit is not None and age > limit:
-                logger.info("remembered listing of %s is %s old (listing_max_age=%s): listing again",
-                            root, _human_age(age), max_age)  # fmt: skip
-            else:
-                logger.info("using the remembered listing of %s from %s ago (%d samples); pass "
-                            "refresh=True (blobdata ls --refresh) to list the bucket again",
-                            root, _human_age(age), len(loaded))  # fmt: skip
-                if not allow_empty:
-                    _check_nonempty(loaded, exts)
-                return loaded
+    remembered = load_remembered(path, root, max_age) if remember and not refresh else None
+    if remembered is not None:
+        if not allow_empty:
+            _check_nonempty(remembered, exts)
+        return remembered
     listed = list_folder(
         url,
         storage_options=storage_options,
