@@ -30,7 +30,7 @@ from .._fetch import FetchEngine, LookAhead, PlanChannel
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
-from .._stores import resolve_storage_options
+from .._stores import redact, resolve_storage_options
 from .._url import parse_url, printable
 from .loader import BlobLoader
 
@@ -161,6 +161,11 @@ class BlobDatasetBase:
         return given
 
     # -- what a dataset says -----------------------------------------------------------------------
+    def _settings_repr(self) -> str:
+        """``, storage_options=..., cache=...`` for a repr: secrets redacted, the cache as ``cache=``."""
+        opts = f", storage_options={redact(self._storage_options)}" if self._storage_options else ""
+        return opts + (f", cache={self.cache!r}" if self.cache is not None else "")
+
     def __len__(self) -> int:
         raise NotImplementedError
 

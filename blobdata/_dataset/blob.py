@@ -27,7 +27,7 @@ from .._errors import BlobdataError, ConfigError, DecodeError, NotFound, note_fi
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
 from .._sampling import enter_sample, leave_sample
-from .._stores import redact, resolve_storage_options
+from .._stores import resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .base import BlobDatasetBase, OnError, resolve_cache
 
@@ -137,11 +137,9 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         return len(self._table)
 
     def __repr__(self) -> str:
-        opts = f", storage_options={redact(self._storage_options)}" if self._storage_options else ""
-        cache = f", cache={self.cache!r}" if self.cache is not None else ""
         return (
-            f"BlobDataset({self._url!r}, samples={len(self)}, objects={self._table.num_objects}{opts}"
-            f"{cache}, transform={self.transform!r})"
+            f"BlobDataset({self._url!r}, samples={len(self)}, objects={self._table.num_objects}"
+            f"{self._settings_repr()}, transform={self.transform!r})"
         )
 
     def __getstate__(self) -> dict[str, Any]:

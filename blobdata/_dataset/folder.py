@@ -25,7 +25,7 @@ from .._errors import BlobdataError, ConfigError, note_fields
 from .._listing import Manifest, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
 from .._sampling import enter_sample, leave_sample
-from .._stores import redact, resolve_storage_options
+from .._stores import resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .base import BlobDatasetBase, OnError, legacy_keywords, resolve_cache
 from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
@@ -154,11 +154,9 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         return len(self._manifest)
 
     def __repr__(self) -> str:
-        opts = f", storage_options={redact(self._storage_options)}" if self._storage_options else ""
-        cache = f", cache={self.cache!r}" if self.cache is not None else ""  # cache_dir= is deprecated
         return (
-            f"FolderDataset({self._url!r}, samples={len(self)}, classes={len(self.classes)}{opts}{cache}, "
-            f"transform={self.transform!r})"
+            f"FolderDataset({self._url!r}, samples={len(self)}, classes={len(self.classes)}"
+            f"{self._settings_repr()}, transform={self.transform!r})"
         )
 
     # -- pickling: per-process state stays behind --------------------------------------------------
