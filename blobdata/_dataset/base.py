@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
+import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch.utils.data
@@ -25,13 +27,14 @@ import torch.utils.data
 from .. import _process
 from .._cache import BlobCache, CacheWriter
 from .._config import FetchOptions
-from .._errors import BlobdataError, ConfigError
+from .._errors import BlobdataError, ConfigError, note_fields
 from .._fetch import FetchEngine, LookAhead, PlanChannel
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
 from .._stores import redact, resolve_storage_options
 from .._url import parse_url, printable
+from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
 
 __all__ = ["BlobDatasetBase", "OnError", "resolve_cache"]
@@ -99,6 +102,7 @@ class _Process:
         self.cache: BlobCache | None = ds.cache
         self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
         self.lookahead: LookAhead | None = None
+        self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
         # Connections belong to this process's loop: close them there when this state goes away
         # (the engine closes them itself at interpreter exit).
         weakref.finalize(self, _close_engine, self.engine, self.pid)
@@ -169,8 +173,53 @@ class BlobDatasetBase:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def __getitems__(self, indices: list[int]) -> list[Any]:
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Fetch what a batch reads all at once (what is not staged requested concurrently), then make
+        its samples (:meth:`_make`). In a persistent worker, the first batch of an epoch may have been
+        built ahead (:mod:`blobdata._dataset.ahead`)."""
+        idx = [int(i) for i in indices]
+        seed = getattr(indices, "seed", None)  # a blobdata loader's batch keys its samples' draws
+        proc = self._process()
+        built, proc.built = proc.built, None
+        out = built.take(idx, seed) if built is not None else None
+        v = _stats.rec()
+        if out is not None:
+            v[_stats.BUILT_AHEAD] += 1
+            self._advance(proc, idx, seed)  # the look-ahead goes on along the new epoch
+        else:
+            out = self._make(idx, self._fetched(idx, seed), seed)
+        v[_stats.SERVED] += len(out)
+        v[_stats.BATCHES] += 1
+        staging = proc.lookahead
+        nxt = staging.next_first if staging is not None else None
+        if staging is not None and nxt is not None:  # its last batch of the epoch: build the next one
+            staging.next_first = None
+            proc.built = BuiltAhead(*nxt, functools.partial(self._build_ahead, *nxt))
+        return out
+
+    def _make(
+        self, idx: list[int], datas: list[Any], seed: int | None, stop: threading.Event | None = None
+    ) -> list[Any]:
+        """The samples of ``idx`` from what was fetched for them (bytes, or the exception met), their
+        augmentation keyed by ``seed``; a bad one goes to :meth:`_failed`. ``stop``: building ahead,
+        checked between samples."""
         raise NotImplementedError
+
+    def _build_ahead(self, idx: list[int], seed: int | None, stop: threading.Event) -> list[Any]:
+        datas = run(self._gather(idx, seed, ahead=True))
+        return self._make(idx, datas, seed, stop)
+
+    def _failed(self, url: str, exc: BlobdataError, stop: threading.Event | None) -> None:
+        """A sample could not be made (call in its ``except``): re-raised with ``on_error="raise"``, and
+        while building ahead (the batch is then made again when asked for, and fails there); else
+        reported and skipped."""
+        if stop is not None:
+            raise Stopped from exc
+        if self.on_error == "raise":
+            if torch.utils.data.get_worker_info() is not None:
+                note_fields(exc)  # the DataLoader re-raises it in the main process from its text
+            raise exc
+        self._report(url, exc)
 
     async def _load(self, i: int) -> Any:
         """What sample ``i`` reads (its bytes, or every member's), one look-ahead unit."""
@@ -228,10 +277,10 @@ class BlobDatasetBase:
             proc = self._proc = _Process(self)
         return proc
 
-    def _fetched(self, indices: list[int]) -> list[Any]:
+    def _fetched(self, indices: list[int], seed: int | None = None) -> list[Any]:
         """Fetch what the samples ``indices`` read, all at once; the time is counted as fetch wait."""
         t = time.perf_counter()
-        datas = run(self._gather(indices))
+        datas = run(self._gather(indices, seed))
         _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t
         return datas
 
@@ -271,23 +320,32 @@ class BlobDatasetBase:
             )
         return proc.lookahead
 
-    async def _gather(self, indices: list[int]) -> list[Any]:
+    async def _gather(self, indices: list[int], seed: int | None = None, *, ahead: bool = False) -> list[Any]:
+        """What ``indices`` (keyed by ``seed``) read, staged or fetched now; then the look-ahead moves
+        past them (not for a batch built ahead: it is not this epoch's)."""
         proc = self._process()
-        ahead = proc.lookahead
+        staging = proc.lookahead
         tasks: list[asyncio.Future[Any]] = []
         staged_n = 0
         for i in indices:
-            staged = ahead.take(i) if ahead is not None else None
+            staged = staging.take(i) if staging is not None else None
             staged_n += staged is not None
             tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
         _stats.rec()[_stats.STAGED] += staged_n
-        # After this batch's own requests, so that the order requests start in is the sampler's.
-        channel = self._channel
-        ahead = self._lookahead(proc) if channel is not None else None
-        if ahead is not None and channel is not None:
-            info = torch.utils.data.get_worker_info()
-            ahead.advance(channel, indices, info.num_workers if info is not None else 1)
+        if not ahead:  # after this batch's own requests, so that requests start in the sampler's order
+            self._advance_on_loop(proc, indices, seed)
         return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+    def _advance_on_loop(self, proc: _Process, indices: list[int], seed: int | None) -> None:
+        channel = self._channel
+        staging = self._lookahead(proc) if channel is not None else None
+        if staging is not None and channel is not None:
+            info = torch.utils.data.get_worker_info()
+            staging.advance(channel, indices, info.num_workers if info is not None else 1, seed)
+
+    def _advance(self, proc: _Process, indices: list[int], seed: int | None) -> None:
+        """Move the look-ahead past ``indices`` (from outside the loop; it runs there, in order)."""
+        get_loop().call_soon_threadsafe(self._advance_on_loop, proc, indices, seed)
 
     # -- loaders that know the order ---------------------------------------------------------------
     def dataloader(
@@ -335,6 +393,8 @@ class BlobDatasetBase:
         """Drop this process's staged data and cache handle (they are recreated on next use)."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.pid == _process.pid():
+            if proc.built is not None:
+                proc.built.take([], None)  # stopped, and the global generators put back
             if proc.lookahead is not None:
                 get_loop().call_soon_threadsafe(proc.lookahead.clear)
             if proc.writer is not None:

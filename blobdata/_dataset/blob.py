@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,12 +24,13 @@ import torch.utils.data
 from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
-from .._errors import BlobdataError, ConfigError, DecodeError, NotFound, note_fields
+from .._errors import BlobdataError, ConfigError, DecodeError, NotFound
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
 from .._sampling import enter_sample, leave_sample
 from .._stores import resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
+from .ahead import Stopped
 from .base import BlobDatasetBase, OnError, resolve_cache
 
 __all__ = ["BlobDataset"]
@@ -212,17 +214,16 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         data = cache.get(LEARNED + url, LEARNED)
         return data.decode("utf-8", "surrogatepass") if data else ""
 
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Fetch every member of every sample of a batch at once, then decode them."""
-        idx = [int(i) for i in indices]
+    def _make(
+        self, idx: list[int], datas: list[Any], seed: int | None, stop: threading.Event | None = None
+    ) -> list[Any]:
         clock = time.perf_counter
-        datas = self._fetched(idx)
-        v = _stats.rec()
         decoding = transforming = 0.0
         out: list[Any] = []
         t = self._table
-        seed = getattr(indices, "seed", None)  # a blobdata loader's batch keys its samples' draws
         for i, data in zip(idx, datas, strict=True):
+            if stop is not None and stop.is_set():
+                raise Stopped
             key = t.key(i)
             url = f"{self._url}/{key}"
             token = enter_sample(seed, url)  # blobdata.sample_rng() and our transforms draw from it
@@ -241,19 +242,14 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
                     sample = self.transform(sample)
                     transforming += clock() - t1
             except BlobdataError as exc:
-                if self.on_error == "raise":
-                    if torch.utils.data.get_worker_info() is not None:
-                        note_fields(exc)  # the DataLoader re-raises it in the main process from its text
-                    raise
-                self._report(url, exc)
+                self._failed(url, exc, stop)
                 continue
             finally:
                 leave_sample(token)
             out.append(sample)
+        v = _stats.rec()
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming
-        v[_stats.SERVED] += len(out)
-        v[_stats.BATCHES] += 1
         return out
 
     def _decode(self, i: int, key: str, url: str, data: list[bytes], skip: int = -1) -> dict[str, Any]:

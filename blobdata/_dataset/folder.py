@@ -12,8 +12,9 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch.utils.data
@@ -21,12 +22,13 @@ import torch.utils.data
 from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import decode, decode_with, default_loader
-from .._errors import BlobdataError, ConfigError, note_fields
+from .._errors import BlobdataError, ConfigError
 from .._listing import Manifest, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
 from .._sampling import enter_sample, leave_sample
 from .._stores import resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
+from .ahead import Stopped
 from .base import BlobDatasetBase, OnError, legacy_keywords, resolve_cache
 from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
 
@@ -166,20 +168,19 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         return state
 
     # -- reading -----------------------------------------------------------------------------------
-    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """Fetch all samples of a batch at once (misses requested concurrently), then decode them."""
-        idx = [int(i) for i in indices]
+    def _make(
+        self, idx: list[int], datas: list[Any], seed: int | None, stop: threading.Event | None = None
+    ) -> list[Any]:
         clock = time.perf_counter
-        datas = self._fetched(idx)
-        v = _stats.rec()
         decoding = transforming = 0.0
         out: list[Any] = []
         m, targets = self._manifest, self._targets
         local = path_prefix(m, self._local_root) if self._local_root is not None else None
         decode_aware = hasattr(self.transform, "decode_and_apply")
         raw = self._raw
-        seed = getattr(indices, "seed", None)  # a blobdata loader's batch keys its samples' draws
         for i, data in zip(idx, datas, strict=True):
+            if stop is not None and stop.is_set():
+                raise Stopped
             url = m.url(i)
             token = enter_sample(seed, url)  # blobdata.sample_rng() and our transforms draw from it
             try:
@@ -205,19 +206,14 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
                 if self.target_transform is not None:
                     target = self.target_transform(target)
             except BlobdataError as exc:
-                if self.on_error == "raise":
-                    if torch.utils.data.get_worker_info() is not None:
-                        note_fields(exc)  # the DataLoader re-raises it in the main process from its text
-                    raise
-                self._report(url, exc)
+                self._failed(url, exc, stop)
                 continue
             finally:
                 leave_sample(token)
             out.append((sample, url, target) if raw else (sample, target))
+        v = _stats.rec()
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming
-        v[_stats.SERVED] += len(out)
-        v[_stats.BATCHES] += 1
         return out
 
     async def _load(self, i: int) -> bytes:

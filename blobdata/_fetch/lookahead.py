@@ -37,13 +37,22 @@ __all__ = [
 
 class Plan:
     """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``.
-    ``next``: the next epoch's batches where they are known before it begins (persistent workers)."""
+    ``next``: the next epoch's batches where they are known before it begins (persistent workers);
+    ``seed``: the augmentation seed its batches carry (:class:`KeyedBatch`), where known."""
 
-    def __init__(self, seq: int, flat: np.ndarray, offsets: np.ndarray, next: Plan | None = None) -> None:
+    def __init__(
+        self,
+        seq: int,
+        flat: np.ndarray,
+        offsets: np.ndarray,
+        next: Plan | None = None,
+        seed: int | None = None,
+    ) -> None:
         self.seq = seq
         self.flat = flat
         self.offsets = offsets
         self.next = next
+        self.seed = seed
         self._pos: np.ndarray | None = None
 
     def same_batches(self, other: Plan) -> bool:
@@ -121,28 +130,30 @@ class PlanChannel:
     def __reduce__(self) -> tuple[Any, ...]:
         return (PlanChannel, (self.path,))
 
-    def publish(self, batches: Sequence[Sequence[int]]) -> Plan:
-        """Write one epoch's plan atomically; workers pick it up on their next batch."""
+    def publish(self, batches: Sequence[Sequence[int]], seed: int | None = None) -> Plan:
+        """Write one epoch's plan (its batches, and the augmentation seed they carry) atomically;
+        workers pick it up on their next batch."""
         offsets, flat = _pack(batches)
         self._seq += 1
         seq = self._seq
-        self._write("plan.npy", _blob(seq, offsets, flat))
-        plan = Plan(seq, flat, offsets)
+        self._write("plan.npy", _blob(seq, offsets, flat, seed))
+        plan = Plan(seq, flat, offsets, seed=seed)
         self._cached = plan
         return plan
 
-    def publish_next(self, seq: int, batches: Sequence[Sequence[int]]) -> None:
-        """Write the batches of the epoch after plan ``seq`` (where they are known before it begins);
-        workers read them when their look-ahead reaches plan ``seq``'s end (:meth:`next_of`)."""
+    def publish_next(self, seq: int, batches: Sequence[Sequence[int]], seed: int | None = None) -> None:
+        """Write the batches of the epoch after plan ``seq`` (where they are known before it begins)
+        and the augmentation seed they will carry; workers read them when their look-ahead reaches
+        plan ``seq``'s end (:meth:`next_of`)."""
         offsets, flat = _pack(batches)
-        self._write("next.npy", _blob(seq, offsets, flat))
+        self._write("next.npy", _blob(seq, offsets, flat, seed))
 
     def next_of(self, plan: Plan) -> Plan | None:
         """The next epoch's batches announced for ``plan``, read once published; None until then."""
         if plan.next is None:
             got = self._read("next.npy")
             if got is not None and got.seq == plan.seq:
-                plan.next = Plan(-plan.seq, got.flat, got.offsets)
+                plan.next = Plan(-plan.seq, got.flat, got.offsets, seed=got.seed)
         return plan.next
 
     def _write(self, name: str, blob: np.ndarray) -> None:
@@ -157,12 +168,13 @@ class PlanChannel:
                 blob = np.load(fh, allow_pickle=False)
         except (OSError, ValueError):
             return None
-        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 3:
+        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 5:
             return None
         got = _unpack(blob, 2, int(blob[1]))
-        if got is None or got[2] != len(blob):
+        if got is None or got[2] + 2 != len(blob) or blob[-2] not in (0, 1):
             return None
-        return Plan(int(blob[0]), got[1], got[0])
+        seed = int(blob[-1:].view(np.uint64)[0]) if blob[-2] == 1 else None
+        return Plan(int(blob[0]), got[1], got[0], seed=seed)
 
     def current(self, *, reload: bool = False) -> Plan | None:
         """The latest plan (cached in this process until ``reload``); None if none was published."""
@@ -182,8 +194,12 @@ def _pack(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     return offsets, flat
 
 
-def _blob(seq: int, offsets: np.ndarray, flat: np.ndarray) -> np.ndarray:
-    return np.concatenate([np.array([seq, len(offsets) - 1], dtype=np.int64), offsets, flat])
+def _blob(seq: int, offsets: np.ndarray, flat: np.ndarray, seed: int | None) -> np.ndarray:
+    # [seq, batches, offsets..., indices..., seed known, the seed's uint64 bits as an int64]
+    tail = np.array([seed is not None, 0], dtype=np.int64)
+    if seed is not None:
+        tail[1:] = np.array([seed], dtype=np.uint64).view(np.int64)
+    return np.concatenate([np.array([seq, len(offsets) - 1], dtype=np.int64), offsets, flat, tail])
 
 
 def _unpack(blob: np.ndarray, at: int, nb: int) -> tuple[np.ndarray, np.ndarray, int] | None:
@@ -245,12 +261,14 @@ class PlanningBatchSampler:
             batches = [list(b) for b in self.batch_sampler][skip:]
         else:
             batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
-        plan = self.channel.publish(batches)
+        plan = self.channel.publish(batches, seed)
         if self.progress is not None:
             self.progress.planned(batches)
         make = self.next_epoch(self.batch_sampler) if self.across_epochs and self.next_epoch else None
         if make is not None:  # off the epoch's start: as long as planning it (a second for ImageNet)
-            threading.Thread(target=_announce, args=(self.channel, plan.seq, make), daemon=True).start()
+            nseed = self.progress.next_sample_seed() if self.progress is not None else None
+            args = (self.channel, plan.seq, make, nseed)
+            threading.Thread(target=_announce, args=args, daemon=True).start()
         yield from batches
 
     def __len__(self) -> int:
@@ -265,9 +283,11 @@ class PlanningBatchSampler:
         return getattr(self.batch_sampler, name)
 
 
-def _announce(channel: PlanChannel, seq: int, make: Callable[[], Sequence[Sequence[int]]]) -> None:
+def _announce(
+    channel: PlanChannel, seq: int, make: Callable[[], Sequence[Sequence[int]]], seed: int | None
+) -> None:
     try:
-        channel.publish_next(seq, make())
+        channel.publish_next(seq, make(), seed)
     except Exception:  # a prediction is an optimisation: the epoch's own plan is the truth
         log.debug("blobdata: the next epoch's order could not be announced", exc_info=True)
 
@@ -369,16 +389,22 @@ class LookAhead:
         self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
         self._plan: Plan | None = None
         self._ramp = 0  # batches served this epoch, up to where the depth is full
+        #: ``(indices, seed)`` of the first batch this process will be given in the next epoch, set at
+        #: its last batch of this one where the next epoch is announced (a batch to build ahead).
+        self.next_first: tuple[list[int], int | None] | None = None
 
     def take(self, index: int) -> asyncio.Task[bytes] | None:
         """The staged fetch of ``index`` (removed from the staging area), or None."""
         return self.stager.pop(index)
 
-    def advance(self, channel: PlanChannel, indices: Sequence[int], stride: int) -> None:
-        """Stage what this process will be given after the batch ``indices`` (call on the loop)."""
+    def advance(
+        self, channel: PlanChannel, indices: Sequence[int], stride: int, seed: int | None = None
+    ) -> None:
+        """Stage what this process will be given after the batch ``indices`` keyed by ``seed`` (call on
+        the loop)."""
         plan = channel.current()
         k = plan.locate(indices) if plan is not None else None
-        if plan is None or k is None:
+        if plan is None or k is None or plan.seed != seed:  # an epoch of the same order has another seed
             plan = channel.current(reload=True)
             k = plan.locate(indices) if plan is not None else None
             if plan is None or k is None:
@@ -411,6 +437,9 @@ class LookAhead:
             while nxt < upcoming.num_batches and len(ahead) < limit:
                 ahead.extend(upcoming.batch(nxt).tolist())
                 nxt += stride
+            if k + stride >= plan.num_batches and k % stride < upcoming.num_batches:
+                # This process's last batch of the epoch: the first it will be given in the next.
+                self.next_first = (upcoming.batch(k % stride).tolist(), upcoming.seed)
         stager.schedule(ahead)
 
     def clear(self) -> None:

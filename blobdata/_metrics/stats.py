@@ -46,14 +46,15 @@ _MAGIC = 6.02214e23 + 14.0  # slot 0: marks a blobdata stats record
     R_THROTTLE, R_SERVER, R_TIMEOUT, R_CONNECTION, R_SHORT_READ, R_OTHER,
     FETCH_WAIT_S, CACHE_S, DECODE_S, TRANSFORM_S, COLLATE_S, CACHE_STORED, CACHE_DROPPED,
     DEVICE_DECODED, DEVICE_REFUSED, WORKER_DECODED, THROTTLED, INFLIGHT, INFLIGHT_S, RATE_LIMIT,
-) = range(2, 32)  # fmt: skip
+    BUILT_AHEAD,
+) = range(2, 33)  # fmt: skip
 #: Gauges (a value now, not a count): a record of an exited process adds 0; the rate limit is a maximum.
 _GAUGES = (INFLIGHT, RATE_LIMIT)
 _RETRY_SLOT = {
     "throttle": R_THROTTLE, "server": R_SERVER, "timeout": R_TIMEOUT, "connection": R_CONNECTION,
     "short_read": R_SHORT_READ,
 }  # fmt: skip
-_HIST0 = 32
+_HIST0 = 33
 #: GET latency histogram: 4 buckets per octave from 10 us; the last bucket holds everything above ~170 s.
 _BUCKETS = 96
 _BASE_S = 1e-5
@@ -253,7 +254,9 @@ class LoaderStats:
     in a worker; ``loop_wait_s`` is the time the training loop spent in ``next()`` waiting for batches
     (worker start-up included), out of ``elapsed_s`` spent iterating. ``samples_from_cache +
     samples_from_bucket`` is the samples whose bytes were read (equal to ``samples`` after whole epochs
-    with no bad sample); ``samples_staged`` of them had been fetched ahead. ``hit_rate`` is the cache's
+    with no bad sample); ``samples_staged`` of them had been fetched ahead. ``batches_built_ahead`` is
+    the batches a persistent worker had made while idle at an epoch's end (its first of the next
+    epoch, see :mod:`blobdata._dataset.ahead`). ``hit_rate`` is the cache's
     share of those reads. ``cache_writes`` is the objects the loader's processes put in the cache;
     ``cache_writes_dropped`` those they fetched but did not cache because the cache's background
     writer had ``max_bytes`` queued already (the disk or the index was slower than the fetches; such
@@ -276,6 +279,7 @@ class LoaderStats:
     samples_staged: int = 0
     errors_skipped: int = 0
     batches: int = 0
+    batches_built_ahead: int = 0
     bytes_from_bucket: int = 0
     bytes_from_cache: int = 0
     hit_rate: float = 0.0
@@ -337,6 +341,7 @@ class LoaderStats:
             samples_staged=int(t[STAGED]),
             errors_skipped=int(t[ERRORS]),
             batches=int(t[BATCHES]),
+            batches_built_ahead=int(t[BUILT_AHEAD]),
             bytes_from_bucket=int(t[BYTES_BUCKET]),
             bytes_from_cache=int(t[BYTES_CACHE]),
             hit_rate=float(t[FROM_CACHE] / reads) if reads else 0.0,

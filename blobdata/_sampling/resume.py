@@ -243,6 +243,10 @@ class Progress:
         """The seed the current epoch's augmentation draws are keyed by (with each sample's URL)."""
         return None if self.seed is None else epoch_seed(self.seed, self.epoch)
 
+    def next_sample_seed(self) -> int | None:
+        """The seed of the next epoch's draws, unless a state is loaded before it begins."""
+        return None if self.seed is None else epoch_seed(self.seed, self.epoch + 1)
+
     def resumed_batches(self) -> int:
         """Batches of the current epoch an elastic or partitioned sampler leaves out (``len()``
         counts them)."""
