@@ -11,6 +11,7 @@ the fetched bytes become a sample (``__getitems__``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -103,6 +104,7 @@ class _Process:
         self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
         self.lookahead: LookAhead | None = None
         self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
+        self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
         # Connections belong to this process's loop: close them there when this state goes away
         # (the engine closes them itself at interpreter exit).
         weakref.finalize(self, _close_engine, self.engine, self.pid)
@@ -161,6 +163,9 @@ class BlobDatasetBase:
         self.lookahead_bytes = options.lookahead_bytes
         self.errors: list[tuple[str, BlobdataError]] = []
         self._channel: PlanChannel | None = None
+        # What the training process fetched for the workers it starts next (non-persistent workers:
+        # the next epoch's first batches); forked workers find it in their copy. Never pickled.
+        self._handoff: dict[int, Any] = {}
         self._proc: _Process | None = None
         return given
 
@@ -244,6 +249,7 @@ class BlobDatasetBase:
         state = self.__dict__.copy()
         state["_proc"] = None
         state["errors"] = []
+        state["_handoff"] = {}
         return state
 
     # -- reading -----------------------------------------------------------------------------------
@@ -324,6 +330,13 @@ class BlobDatasetBase:
         """What ``indices`` (keyed by ``seed``) read, staged or fetched now; then the look-ahead moves
         past them (not for a batch built ahead: it is not this epoch's)."""
         proc = self._process()
+        if self._handoff and torch.utils.data.get_worker_info() is not None:
+            # Fetched for this worker before it started: staged as if by its own look-ahead.
+            handoff, self._handoff = self._handoff, {}
+            staging = self._lookahead(proc)
+            for i, data in handoff.items():
+                if staging is not None:
+                    staging.stager.put(i, data)
         staging = proc.lookahead
         tasks: list[asyncio.Future[Any]] = []
         staged_n = 0
@@ -342,6 +355,37 @@ class BlobDatasetBase:
         if staging is not None and channel is not None:
             info = torch.utils.data.get_worker_info()
             staging.advance(channel, indices, info.num_workers if info is not None else 1, seed)
+
+    def _hand_over(self, indices: Sequence[int]) -> None:
+        """Start fetching ``indices`` in this process (within the look-ahead's bounds) for the workers
+        it forks next, which find them in their copy of the dataset. What fails is left to the worker
+        given it (which reports it)."""
+        chosen: list[int] = []
+        total = 0
+        for i in indices:
+            size = self._size_of(int(i))
+            if len(chosen) >= self.lookahead or (chosen and total + size > self.lookahead_bytes):
+                break
+            chosen.append(int(i))
+            total += size
+        self._drop_handoff()
+        if chosen:
+            self._process().handing = submit(self._fetch_handoff(chosen, self._handoff))
+
+    async def _fetch_handoff(self, chosen: list[int], into: dict[int, Any]) -> None:
+        async def one(i: int) -> None:
+            with contextlib.suppress(Exception):
+                into[i] = await self._load(i)
+
+        await asyncio.gather(*(one(i) for i in chosen))
+
+    def _drop_handoff(self) -> None:
+        """The workers that were to find the hand-over have started (or will not): drop this copy."""
+        self._handoff = {}
+        proc = self._proc
+        if proc is not None and proc.pid == _process.pid() and proc.handing is not None:
+            proc.handing.cancel()
+            proc.handing = None
 
     def _advance(self, proc: _Process, indices: list[int], seed: int | None) -> None:
         """Move the look-ahead past ``indices`` (from outside the loop; it runs there, in order)."""

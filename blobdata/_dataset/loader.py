@@ -16,7 +16,8 @@ epoch yields only the batches not yet yielded.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch.utils.data
@@ -124,11 +125,14 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         )
         # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
         # is what tools that rebuild a loader know how to re-make with another sampler.
-        self._planner = PlanningBatchSampler(
-            batches, self.channel, self.progress, next_epoch=NextEpoch().prepare
-        )
-        # Persistent workers outlive the epoch: their look-ahead runs on into the next one.
-        self._planner.across_epochs = bool(persistent_workers and num_workers > 0)
+        persistent = bool(persistent_workers and num_workers > 0)
+        peek = NextEpoch(seed_drawn_from=None if persistent else generator)
+        self._planner = PlanningBatchSampler(batches, self.channel, self.progress, next_epoch=peek.prepare)
+        # Persistent workers outlive the epoch: their look-ahead runs on into the next one. Others
+        # are started each epoch: the training process fetches their first batches for them.
+        self._planner.across_epochs = persistent
+        if num_workers > 0 and not persistent:
+            self._planner.hand_over = _FirstBatches(dataset, num_workers, multiprocessing_context)
         super().__init__(
             dataset,
             batch_sampler=batches,
@@ -233,6 +237,35 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
 
 def _present(batches: Iterator[Any]) -> Iterator[Any]:
     return (batch for batch in batches if batch is not None)
+
+
+class _FirstBatches:
+    """Workers that do not outlive the epoch: near its end, the training process fetches the next
+    epoch's first two batches of each worker, which the workers it forks then find in their copy of
+    the dataset; see ``docs/resume.md``. Not with a cache: the epoch's fetches are offered to it,
+    and the next epoch's workers read them there (fetching them again here, before this epoch's own
+    fetch of the same objects had reached the cache, would double their requests)."""
+
+    def __init__(self, dataset: Any, workers: int, context: Any) -> None:
+        self.dataset = dataset
+        self.workers = workers
+        self.context = context  # DataLoader's multiprocessing_context argument
+
+    def begin(self) -> None:
+        self.dataset._drop_handoff()
+
+    def end(self, batches: Sequence[Sequence[int]], seed: int | None) -> None:
+        if self.dataset.cache is not None or _start_method(self.context) != "fork":
+            return  # a spawned worker gets a pickled dataset: nothing handed over reaches it
+        self.dataset._hand_over([i for batch in batches[: 2 * self.workers] for i in batch])
+
+
+def _start_method(context: Any) -> str:
+    if isinstance(context, str):
+        return context
+    if context is not None:
+        return str(context.get_start_method())
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
 
 
 class _WorkerInit:

@@ -18,12 +18,13 @@ from __future__ import annotations
 from . import throttle
 from .admission import Gate, gate_for, private_gate, store_key
 from .engine import FetchEngine, endpoint_of
-from .lookahead import LookAhead, PlanChannel, PlanningBatchSampler, sweep_dead_channels
+from .lookahead import HandOver, LookAhead, PlanChannel, PlanningBatchSampler, sweep_dead_channels
 from .throttle import Limit, Table, key_id, node_table
 
 __all__ = [
     "FetchEngine",
     "Gate",
+    "HandOver",
     "Limit",
     "LookAhead",
     "PlanChannel",

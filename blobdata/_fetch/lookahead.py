@@ -18,10 +18,11 @@ import logging
 import os
 import shutil
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -31,7 +32,8 @@ from .._node import shm
 log = logging.getLogger("blobdata")
 
 __all__ = [
-    "KeyedBatch", "LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager", "sweep_dead_channels",
+    "HandOver", "KeyedBatch", "LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager",
+    "sweep_dead_channels",
 ]  # fmt: skip
 
 
@@ -213,6 +215,23 @@ def _unpack(blob: np.ndarray, at: int, nb: int) -> tuple[np.ndarray, np.ndarray,
     return offsets, blob[at + nb + 1 : end], end
 
 
+#: How long before an epoch's last batch is dealt the next epoch's first batches are handed over to
+#: be fetched for workers that do not outlive the epoch: time for new connections and a few round
+#: trips, while holding the bytes for as little of the epoch as that allows.
+HAND_OVER_LEAD_S = 2.0
+
+
+class HandOver(Protocol):
+    """Where the next epoch's first batches go when workers do not outlive the epoch (the
+    :class:`~blobdata.BlobLoader` fetches them in the training process for the workers it starts)."""
+
+    def begin(self) -> None:
+        """An epoch begins: its workers exist."""
+
+    def end(self, batches: Sequence[Sequence[int]], seed: int | None) -> None:
+        """Every batch of the epoch is dealt; ``batches`` are the next epoch's, as predicted."""
+
+
 class KeyedBatch(list[int]):
     """A batch's indices, with the seed its samples' augmentation draws are keyed by (the loader's
     seed mixed with the epoch; see :mod:`blobdata._sampling.rng`). DataLoader hands the batch
@@ -249,11 +268,22 @@ class PlanningBatchSampler:
         # epoch, so that the look-ahead runs across its end.
         self.next_epoch = next_epoch
         self.across_epochs = False
+        #: Workers that do not outlive the epoch (``persistent_workers=False``): told when an epoch
+        #: begins (the new workers exist) and, near its end, the next epoch's predicted batches and
+        #: seed, to fetch for the workers that will be started. From the second epoch on: a loader
+        #: iterated once (an evaluation, a single pass) fetches nothing for an epoch that never comes.
+        self.hand_over: HandOver | None = None
+        self._epochs = 0
+        self._predicted: tuple[int, Sequence[Sequence[int]], int | None] | None = None
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
         # DataLoader (which draws its worker base seed from the generator between iter() and
         # next()), so a seeded generator gives exactly the plain DataLoader's order.
+        self._epochs += 1
+        hand_over = self.hand_over if self._epochs > 1 else None
+        if self.hand_over is not None:
+            self.hand_over.begin()
         skip = self.progress.begin() if self.progress is not None else 0
         seed = self.progress.sample_seed() if self.progress is not None else None
         batches: Sequence[list[int]]
@@ -264,12 +294,40 @@ class PlanningBatchSampler:
         plan = self.channel.publish(batches, seed)
         if self.progress is not None:
             self.progress.planned(batches)
-        make = self.next_epoch(self.batch_sampler) if self.across_epochs and self.next_epoch else None
+        ahead = self.across_epochs or hand_over is not None
+        make = self.next_epoch(self.batch_sampler) if ahead and self.next_epoch else None
         if make is not None:  # off the epoch's start: as long as planning it (a second for ImageNet)
             nseed = self.progress.next_sample_seed() if self.progress is not None else None
-            args = (self.channel, plan.seq, make, nseed)
-            threading.Thread(target=_announce, args=args, daemon=True).start()
-        yield from batches
+            args = (plan.seq, make, nseed)
+            threading.Thread(target=self._announce, args=args, daemon=True).start()
+        if hand_over is None:
+            yield from batches
+        else:
+            yield from self._deal(batches, plan.seq, hand_over)
+
+    def _deal(self, batches: Sequence[list[int]], seq: int, hand_over: HandOver) -> Iterator[list[int]]:
+        """Yield ``batches``; about :data:`HAND_OVER_LEAD_S` before the last is dealt (at the pace
+        dealt so far), give ``hand_over`` the next epoch's batches, once predicted."""
+        start, handed, n = time.perf_counter(), False, len(batches)
+        for k, batch in enumerate(batches):
+            yield batch
+            predicted = self._predicted
+            if handed or predicted is None or predicted[0] != seq:
+                continue
+            if (n - k - 1) * (time.perf_counter() - start) / (k + 1) <= HAND_OVER_LEAD_S:
+                handed = True
+                hand_over.end(predicted[1], predicted[2])
+
+    def _announce(self, seq: int, make: Callable[[], Sequence[Sequence[int]]], seed: int | None) -> None:
+        """Predict the next epoch's batches (in a thread): published to persistent workers, kept for
+        a hand-over."""
+        try:
+            batches = make()
+            self._predicted = (seq, batches, seed)
+            if self.across_epochs:
+                self.channel.publish_next(seq, batches, seed)
+        except Exception:  # a prediction is an optimisation: the epoch's own plan is the truth
+            log.debug("blobdata: the next epoch's order could not be announced", exc_info=True)
 
     def __len__(self) -> int:
         # The whole epoch's count, also while an elastic sampler leaves out a resumed epoch's start.
@@ -278,21 +336,13 @@ class PlanningBatchSampler:
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.
-        if name in ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs"):
+        own = ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs", "hand_over", "_epochs")
+        if name in own:
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 
 
-def _announce(
-    channel: PlanChannel, seq: int, make: Callable[[], Sequence[Sequence[int]]], seed: int | None
-) -> None:
-    try:
-        channel.publish_next(seq, make(), seed)
-    except Exception:  # a prediction is an optimisation: the epoch's own plan is the truth
-        log.debug("blobdata: the next epoch's order could not be announced", exc_info=True)
-
-
-def _consume(task: asyncio.Task[bytes]) -> None:
+def _consume(task: asyncio.Future[Any]) -> None:
     # A dropped look-ahead fetch may have failed; its error matters only if the sample is asked for.
     if not task.cancelled():
         task.exception()
@@ -317,7 +367,7 @@ class Stager:
         self._size_of = size_of
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self._tasks: dict[int, asyncio.Task[bytes]] = {}
+        self._tasks: dict[int, asyncio.Future[Any]] = {}
         self._bytes = 0
         self.peak_items = 0
         self.peak_bytes = 0
@@ -346,7 +396,15 @@ class Stager:
         self.peak_bytes = max(self.peak_bytes, self._bytes)
         return started
 
-    def pop(self, index: int) -> asyncio.Task[bytes] | None:
+    def put(self, index: int, value: Any) -> None:
+        """Stage ``value``, fetched already (by the process that started this one); call on the loop."""
+        if index not in self._tasks:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(value)
+            self._tasks[index] = done
+            self._bytes += self._size_of(index)
+
+    def pop(self, index: int) -> asyncio.Future[Any] | None:
         """Remove and return the staged fetch of ``index`` (None if not staged)."""
         task = self._tasks.pop(index, None)
         if task is not None:
@@ -393,7 +451,7 @@ class LookAhead:
         #: its last batch of this one where the next epoch is announced (a batch to build ahead).
         self.next_first: tuple[list[int], int | None] | None = None
 
-    def take(self, index: int) -> asyncio.Task[bytes] | None:
+    def take(self, index: int) -> asyncio.Future[Any] | None:
         """The staged fetch of ``index`` (removed from the staging area), or None."""
         return self.stager.pop(index)
 
@@ -415,7 +473,9 @@ class LookAhead:
             # staged for the old order is useless, unless it was staged for this very order.
             prev = self._plan
             announced = prev is not None and prev.next is not None and prev.next.same_batches(plan)
-            if not (announced and self._plan_key is not None and self._plan_key[0] == channel.path):
+            if self._plan_key is None:
+                pass  # this process's first plan: what is staged was handed over for it
+            elif not (announced and self._plan_key[0] == channel.path):
                 stager.clear()
                 self._ramp = 0
             else:  # its first two batches are staged: the ramp goes on from there

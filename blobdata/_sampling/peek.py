@@ -30,9 +30,13 @@ __all__ = ["NextEpoch"]
 class NextEpoch:
     """Predicts the batches a batch sampler yields in the epoch after the one begun."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, seed_drawn_from: torch.Generator | None = None) -> None:
         self._last_epoch: int | None = None
         self._step = 1
+        # The loader's generator where each epoch's iterator draws the workers' base seed from it
+        # before the sampler runs (a DataLoader makes a new iterator per epoch unless its workers
+        # persist): a RandomSampler sharing it draws its next order after that draw.
+        self._seed_drawn_from = seed_drawn_from
 
     def prepare(self, batch_sampler: Any) -> Callable[[], list[list[int]]] | None:
         """Call right after the batch sampler yielded the current epoch: a function that computes
@@ -49,6 +53,8 @@ class NextEpoch:
                 return None  # it would draw its seed from torch's global generator
             clone = copy.copy(sampler)
             clone.generator = torch.Generator().set_state(sampler.generator.get_state())
+            if sampler.generator is self._seed_drawn_from:
+                torch.empty((), dtype=torch.int64).random_(generator=clone.generator)
         elif type(sampler) in (DistributedSampler, ElasticDistributedSampler, PartitionedSampler):
             epoch = int(sampler.epoch)
             if self._last_epoch is not None:
