@@ -125,7 +125,7 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
         # is what tools that rebuild a loader know how to re-make with another sampler.
         self._planner = PlanningBatchSampler(
-            batches, self.channel, self.progress, next_epoch=NextEpoch().prepare
+            batches, self.channel, self.progress, next_epoch=NextEpoch()
         )
         # Persistent workers outlive the epoch: their look-ahead runs on into the next one.
         self._planner.across_epochs = bool(persistent_workers and num_workers > 0)

@@ -8,6 +8,7 @@ module             its one job
 ``admission``      one process's gate to a store: slow start, the node's tokens, retries first
 ``throttle``       the node-wide controller: one request rate per store (AIMD) in ``/dev/shm``
 ``lookahead``      the epoch's order published to workers; bytes fetched before they are asked
+``packed``         an epoch's batches as numpy arrays; the next epoch's, predicted in a thread
 =================  ==========================================================================
 
 The one retry budget (:mod:`blobdata._retry`) is plumbing at the top: stores and listings use it too.

@@ -14,6 +14,7 @@ sampler blobdata did not see), nothing is staged and batches are still fetched a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import shutil
@@ -27,6 +28,7 @@ import numpy as np
 
 from .. import _process
 from .._node import shm
+from .packed import PackedBatches, Predicted
 
 log = logging.getLogger("blobdata")
 
@@ -175,10 +177,15 @@ class PlanChannel:
 
 
 def _pack(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    if isinstance(batches, PackedBatches):
+        return batches.offsets, batches.flat
+    lengths = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
     offsets = np.zeros(len(batches) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
+    try:  # ints (or numpy ints) as they are: no Python call per index
+        flat = np.fromiter(itertools.chain.from_iterable(batches), dtype=np.int64, count=int(offsets[-1]))
+    except (TypeError, ValueError, OverflowError):
+        flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
     return offsets, flat
 
 
@@ -216,6 +223,12 @@ class PlanningBatchSampler:
 
     The order is exactly the wrapped sampler's (``RandomSampler`` with a generator, a seeded sampler,
     ``DistributedSampler`` after ``set_epoch``): this only observes it.
+
+    ``next_epoch`` (a :class:`blobdata._sampling.NextEpoch`) knows the samplers whose batches it can
+    compute as arrays (``order``: the same draws, no Python list per batch) and predict for the next
+    epoch (``prepare``). With ``across_epochs`` (persistent workers) the next epoch's batches are
+    predicted in a thread during the epoch and published; when that epoch begins from the very sampler
+    state they were predicted from, they are its batches and the sampler is not iterated again.
     """
 
     def __init__(
@@ -223,16 +236,18 @@ class PlanningBatchSampler:
         batch_sampler: Any,
         channel: PlanChannel,
         progress: Any = None,
-        next_epoch: Callable[[Any], Callable[[], Sequence[Sequence[int]]] | None] | None = None,
+        next_epoch: Any = None,
     ) -> None:
         self.batch_sampler = batch_sampler
         self.channel = channel
         self.progress = progress  # a resumed epoch drops its first batches before they are planned
         # Prepares the next epoch's batches from the batch sampler, where they can be known: with
         # `across_epochs` (persistent workers) they are computed in a thread and published during the
-        # epoch, so that the look-ahead runs across its end.
+        # epoch, so that the look-ahead runs across its end, and the next epoch starts from them.
         self.next_epoch = next_epoch
         self.across_epochs = False
+        self._predicted: Predicted | None = None
+        self.epochs_predicted = 0  # epochs whose batches were the prediction (the sampler not iterated)
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
@@ -240,18 +255,41 @@ class PlanningBatchSampler:
         # next()), so a seeded generator gives exactly the plain DataLoader's order.
         skip = self.progress.begin() if self.progress is not None else 0
         seed = self.progress.sample_seed() if self.progress is not None else None
-        batches: Sequence[list[int]]
-        if seed is None:
+        batches: Sequence[list[int]] | PackedBatches
+        packed, self._predicted = self._predicted, None
+        got = packed.take(self.batch_sampler) if packed is not None else None
+        if got is not None:
+            self.epochs_predicted += 1
+        else:
+            order = self.next_epoch.order(self.batch_sampler) if self.next_epoch is not None else None
+            got = PackedBatches(*order) if order is not None else None
+        if got is not None:
+            batches = got[skip:] if skip else got
+        elif seed is None:  # a batch sampler of a kind not known: its own lists, as they are
             batches = [list(b) for b in self.batch_sampler][skip:]
         else:
             batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
         plan = self.channel.publish(batches)
         if self.progress is not None:
             self.progress.planned(batches)
-        make = self.next_epoch(self.batch_sampler) if self.across_epochs and self.next_epoch else None
-        if make is not None:  # off the epoch's start: as long as planning it (a second for ImageNet)
-            threading.Thread(target=_announce, args=(self.channel, plan.seq, make), daemon=True).start()
-        yield from batches
+        self._announce(plan.seq)
+        if isinstance(batches, PackedBatches):
+            flat, offsets = batches.flat, batches.offsets.tolist()
+            for a, b in itertools.pairwise(offsets):
+                indices: list[int] = flat[a:b].tolist()
+                yield indices if seed is None else KeyedBatch(indices, seed)
+        else:
+            yield from batches
+
+    def _announce(self, seq: int) -> None:
+        make = self.next_epoch.prepare(self.batch_sampler) if self.across_epochs and self.next_epoch else None
+        if make is None:
+            return
+        # Off the epoch's start, in a thread: kept to be the next epoch's batches if it begins from the
+        # sampler state it was predicted from.
+        predicted = Predicted(make)
+        threading.Thread(target=_announce, args=(self.channel, seq, predicted.compute), daemon=True).start()
+        self._predicted = predicted
 
     def __len__(self) -> int:
         # The whole epoch's count, also while an elastic sampler leaves out a resumed epoch's start.
@@ -260,7 +298,8 @@ class PlanningBatchSampler:
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.
-        if name in ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs"):
+        if name in ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs", "_predicted",
+                    "epochs_predicted"):  # fmt: skip
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
 
