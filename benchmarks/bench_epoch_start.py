@@ -6,7 +6,7 @@ Per sampler (``RandomSampler`` with a seeded generator, ``DistributedSampler``,
 
 - "list plan": the epoch start as it was before this benchmark's issue, rebuilt from its parts and
   timed part by part: the batch sampler iterated into lists, each wrapped in a ``KeyedBatch``, the
-  lists packed and published (``PlanChannel.publish``), and ``Progress.planned``;
+  lists packed int by int and published (``PlanChannel.publish``), and ``Progress.planned``;
 - "first epoch": the first ``next()`` of ``iter(loader._planner)`` of a real ``BlobLoader`` (no
   prediction: the first epoch, or workers that are not persistent);
 - "predicted": the same at the second epoch's start with persistent workers, whose order was
@@ -34,12 +34,14 @@ from common import add_repo_to_path, table
 
 add_repo_to_path()
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_scale import make_manifest  # noqa: E402
 from torch.utils.data import RandomSampler  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from blobdata import ElasticDistributedSampler, FolderDataset, PartitionedSampler  # noqa: E402
+from blobdata._fetch import PackedBatches  # noqa: E402
 from blobdata._fetch.lookahead import KeyedBatch  # noqa: E402
 
 KINDS = ("random", "distributed", "elastic", "partitioned")
@@ -51,6 +53,15 @@ def make_sampler(kind: str, ds: Any) -> Any:
     cls = {"distributed": DistributedSampler, "elastic": ElasticDistributedSampler,
            "partitioned": PartitionedSampler}[kind]  # fmt: skip
     return cls(ds, num_replicas=1, rank=0, seed=7)
+
+
+def _pack_before(batches: list[KeyedBatch]) -> tuple[np.ndarray, np.ndarray]:
+    """How ``PlanChannel.publish`` packed a list plan before #33's change: (flat, offsets)."""
+    lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
+    offsets = np.zeros(len(batches) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
+    return flat, offsets
 
 
 def list_plan(loader: Any) -> dict[str, float]:
@@ -65,7 +76,7 @@ def list_plan(loader: Any) -> dict[str, float]:
     batches = [KeyedBatch(b, seed) for b in lists]
     out["wrap"] = time.perf_counter() - t
     t = time.perf_counter()
-    loader.channel.publish(batches)
+    loader.channel.publish(PackedBatches(*_pack_before(batches)))
     out["publish"] = time.perf_counter() - t
     t = time.perf_counter()
     progress.planned(batches)

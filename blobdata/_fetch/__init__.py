@@ -20,6 +20,7 @@ from . import throttle
 from .admission import Gate, gate_for, private_gate, store_key
 from .engine import FetchEngine, endpoint_of
 from .lookahead import LookAhead, PlanChannel, PlanningBatchSampler, sweep_dead_channels
+from .packed import PackedBatches
 from .throttle import Limit, Table, key_id, node_table
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "Gate",
     "Limit",
     "LookAhead",
+    "PackedBatches",
     "PlanChannel",
     "PlanningBatchSampler",
     "Table",

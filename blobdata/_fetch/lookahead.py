@@ -255,9 +255,11 @@ class PlanningBatchSampler:
         # next()), so a seeded generator gives exactly the plain DataLoader's order.
         skip = self.progress.begin() if self.progress is not None else 0
         seed = self.progress.sample_seed() if self.progress is not None else None
+        # The batches predicted for this epoch, if it begins from the state they were predicted from;
+        # else the sampler iterated into arrays, where its kind is known (the same draws).
         batches: Sequence[list[int]] | PackedBatches
-        packed, self._predicted = self._predicted, None
-        got = packed.take(self.batch_sampler) if packed is not None else None
+        predicted, self._predicted = self._predicted, None
+        got = predicted.take(self.batch_sampler) if predicted is not None else None
         if got is not None:
             self.epochs_predicted += 1
         else:
@@ -265,10 +267,9 @@ class PlanningBatchSampler:
             got = PackedBatches(*order) if order is not None else None
         if got is not None:
             batches = got[skip:] if skip else got
-        elif seed is None:  # a batch sampler of a kind not known: its own lists, as they are
-            batches = [list(b) for b in self.batch_sampler][skip:]
-        else:
-            batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
+        else:  # a batch sampler of a kind not known here: its own batches, listed as they are
+            listed = (list(b) if seed is None else KeyedBatch(b, seed) for b in self.batch_sampler)
+            batches = list(itertools.islice(listed, skip, None))
         plan = self.channel.publish(batches)
         if self.progress is not None:
             self.progress.planned(batches)
@@ -288,7 +289,9 @@ class PlanningBatchSampler:
         # Off the epoch's start, in a thread: kept to be the next epoch's batches if it begins from the
         # sampler state it was predicted from.
         predicted = Predicted(make)
-        threading.Thread(target=_announce, args=(self.channel, seq, predicted.compute), daemon=True).start()
+        # Not a daemon: a program that ends meanwhile waits for it (a fraction of a second), where a
+        # daemon thread still in torch would abort the interpreter's exit ("terminate called ...").
+        threading.Thread(target=_announce, args=(self.channel, seq, predicted.compute)).start()
         self._predicted = predicted
 
     def __len__(self) -> int:
