@@ -273,7 +273,7 @@ class PlanningBatchSampler:
         plan = self.channel.publish(batches)
         if self.progress is not None:
             self.progress.planned(batches)
-        self._announce(plan.seq)
+        self._predict_next(plan.seq)
         if isinstance(batches, PackedBatches):
             flat, offsets = batches.flat, batches.offsets.tolist()
             for a, b in itertools.pairwise(offsets):
@@ -282,7 +282,7 @@ class PlanningBatchSampler:
         else:
             yield from batches
 
-    def _announce(self, seq: int) -> None:
+    def _predict_next(self, seq: int) -> None:
         make = self.next_epoch.prepare(self.batch_sampler) if self.across_epochs and self.next_epoch else None
         if make is None:
             return
