@@ -127,7 +127,7 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         # is what tools that rebuild a loader know how to re-make with another sampler.
         persistent = bool(persistent_workers and num_workers > 0)
         peek = NextEpoch(seed_drawn_from=None if persistent else generator)
-        self._planner = PlanningBatchSampler(batches, self.channel, self.progress, next_epoch=peek.prepare)
+        self._planner = PlanningBatchSampler(batches, self.channel, self.progress, next_epoch=peek)
         # Persistent workers outlive the epoch: their look-ahead runs on into the next one. Others
         # are started each epoch: the training process fetches their first batches for them.
         self._planner.across_epochs = persistent

@@ -7,7 +7,9 @@ module             its one job
 ``engine``         :class:`FetchEngine`: URLs in, bytes out, bounded concurrency, pinned ranges
 ``admission``      one process's gate to a store: slow start, the node's tokens, retries first
 ``throttle``       the node-wide controller: one request rate per store (AIMD) in ``/dev/shm``
-``lookahead``      the epoch's order published to workers; bytes fetched before they are asked
+``plans``          each epoch's batches (and the next's, where known) published to the workers
+``lookahead``      the planning batch sampler; bytes fetched before they are asked
+``packed``         an epoch's batches as numpy arrays; the next epoch's, predicted in a thread
 =================  ==========================================================================
 
 The one retry budget (:mod:`blobdata._retry`) is plumbing at the top: stores and listings use it too.
@@ -18,7 +20,9 @@ from __future__ import annotations
 from . import throttle
 from .admission import Gate, gate_for, private_gate, store_key
 from .engine import FetchEngine, endpoint_of
-from .lookahead import HandOver, LookAhead, PlanChannel, PlanningBatchSampler, sweep_dead_channels
+from .lookahead import HandOver, LookAhead, PlanningBatchSampler
+from .packed import PackedBatches
+from .plans import PlanChannel, sweep_dead_channels
 from .throttle import Limit, Table, key_id, node_table
 
 __all__ = [
@@ -27,6 +31,7 @@ __all__ = [
     "HandOver",
     "Limit",
     "LookAhead",
+    "PackedBatches",
     "PlanChannel",
     "PlanningBatchSampler",
     "Table",

@@ -14,205 +14,19 @@ sampler blobdata did not see), nothing is staged and batches are still fetched a
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import os
-import shutil
 import threading
 import time
-import uuid
-import weakref
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, Protocol
 
-import numpy as np
-
-from .. import _process
-from .._node import shm
+from .packed import PackedBatches, Predicted
+from .plans import Plan, PlanChannel
 
 log = logging.getLogger("blobdata")
 
-__all__ = [
-    "HandOver", "KeyedBatch", "LookAhead", "Plan", "PlanChannel", "PlanningBatchSampler", "Stager",
-    "sweep_dead_channels",
-]  # fmt: skip
-
-
-class Plan:
-    """One epoch's batches: ``flat`` indices, ``offsets``; batch k is ``flat[offsets[k]:offsets[k+1]]``.
-    ``next``: the next epoch's batches where they are known before it begins (persistent workers);
-    ``seed``: the augmentation seed its batches carry (:class:`KeyedBatch`), where known."""
-
-    def __init__(
-        self,
-        seq: int,
-        flat: np.ndarray,
-        offsets: np.ndarray,
-        next: Plan | None = None,
-        seed: int | None = None,
-    ) -> None:
-        self.seq = seq
-        self.flat = flat
-        self.offsets = offsets
-        self.next = next
-        self.seed = seed
-        self._pos: np.ndarray | None = None
-
-    def same_batches(self, other: Plan) -> bool:
-        return np.array_equal(self.offsets, other.offsets) and np.array_equal(self.flat, other.flat)
-
-    @property
-    def num_batches(self) -> int:
-        return len(self.offsets) - 1
-
-    def locate(self, indices: Sequence[int]) -> int | None:
-        """The batch number whose indices are exactly ``indices``, or None."""
-        if not len(indices) or not len(self.flat):
-            return None
-        if self._pos is None:
-            size = int(self.flat.max()) + 1
-            pos = np.full(size, -1, dtype=np.int64)
-            # Repeated indices (samplers with replacement) keep their first position.
-            pos[self.flat[::-1]] = np.arange(len(self.flat) - 1, -1, -1, dtype=np.int64)
-            self._pos = pos
-        first = int(indices[0])
-        if first < 0 or first >= len(self._pos) or self._pos[first] < 0:
-            return None
-        k = int(np.searchsorted(self.offsets, self._pos[first], side="right")) - 1
-        for cand in (k, k + 1):  # a repeated index may sit at the end of an earlier batch
-            if 0 <= cand < self.num_batches:
-                batch = self.flat[self.offsets[cand] : self.offsets[cand + 1]]
-                if len(batch) == len(indices) and np.array_equal(batch, np.asarray(indices, dtype=np.int64)):
-                    return cand
-        return None
-
-    def batch(self, k: int) -> np.ndarray:
-        return self.flat[self.offsets[k] : self.offsets[k + 1]]
-
-
-def _remove_if_owner(path: str, pid: int, lock: int) -> None:
-    # Forked workers inherit the finalizer; only the creating process may remove the directory.
-    if _process.pid() == pid:
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(lock)  # the owner's lock (_node.owners.hold), held until the directory is gone
-
-
-#: Plan channels in the node's shared directory: ``plan-<pid>-<random>`` (:mod:`blobdata._node`).
-_PLAN_KIND = "plan"
-
-
-def sweep_dead_channels(parent: str | None = None) -> list[str]:
-    """Remove the plan directories of this user's loaders whose process is gone (one killed by
-    SIGKILL could not remove its own, and ``/dev/shm`` is memory): those whose owner lock can be taken
-    (:mod:`blobdata._node`), and those an older blobdata left in ``/dev/shm`` itself
-    (``blobdata-plan-<pid>-*``, judged by pid). Returns the paths removed."""
-    removed = shm.sweep(_PLAN_KIND, parent)
-    if parent is None:
-        removed += shm.sweep("blobdata-plan", shm.shm_root())
-    return removed
-
-
-class PlanChannel:
-    """A private directory through which the main process publishes plans to worker processes.
-
-    Pickles as its path, so fork, spawn and forkserver workers (persistent or not) all see each new
-    epoch's plan. The directory (mode 0700) is removed when the publishing object is collected or the
-    interpreter exits; those of loaders that died without removing theirs are swept when a new
-    channel is made (:func:`sweep_dead_channels`).
-    """
-
-    def __init__(self, path: str | None = None) -> None:
-        self._owner = path is None
-        if path is None:
-            path, lock = shm.make_locked_dir(_PLAN_KIND)  # dead loaders' channels are swept first
-            self._finalizer: Any = weakref.finalize(self, _remove_if_owner, path, _process.pid(), lock)
-        self.path = path
-        self._seq = 0
-        self._cached: Plan | None = None
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (PlanChannel, (self.path,))
-
-    def publish(self, batches: Sequence[Sequence[int]], seed: int | None = None) -> Plan:
-        """Write one epoch's plan (its batches, and the augmentation seed they carry) atomically;
-        workers pick it up on their next batch."""
-        offsets, flat = _pack(batches)
-        self._seq += 1
-        seq = self._seq
-        self._write("plan.npy", _blob(seq, offsets, flat, seed))
-        plan = Plan(seq, flat, offsets, seed=seed)
-        self._cached = plan
-        return plan
-
-    def publish_next(self, seq: int, batches: Sequence[Sequence[int]], seed: int | None = None) -> None:
-        """Write the batches of the epoch after plan ``seq`` (where they are known before it begins)
-        and the augmentation seed they will carry; workers read them when their look-ahead reaches
-        plan ``seq``'s end (:meth:`next_of`)."""
-        offsets, flat = _pack(batches)
-        self._write("next.npy", _blob(seq, offsets, flat, seed))
-
-    def next_of(self, plan: Plan) -> Plan | None:
-        """The next epoch's batches announced for ``plan``, read once published; None until then."""
-        if plan.next is None:
-            got = self._read("next.npy")
-            if got is not None and got.seq == plan.seq:
-                plan.next = Plan(-plan.seq, got.flat, got.offsets, seed=got.seed)
-        return plan.next
-
-    def _write(self, name: str, blob: np.ndarray) -> None:
-        tmp = os.path.join(self.path, f".{name}-{uuid.uuid4().hex}.tmp")
-        with open(tmp, "wb") as fh:
-            np.save(fh, blob, allow_pickle=False)
-        os.replace(tmp, os.path.join(self.path, name))
-
-    def _read(self, name: str) -> Plan | None:
-        try:
-            with open(os.path.join(self.path, name), "rb") as fh:
-                blob = np.load(fh, allow_pickle=False)
-        except (OSError, ValueError):
-            return None
-        if blob.dtype != np.int64 or blob.ndim != 1 or len(blob) < 5:
-            return None
-        got = _unpack(blob, 2, int(blob[1]))
-        if got is None or got[2] + 2 != len(blob) or blob[-2] not in (0, 1):
-            return None
-        seed = int(blob[-1:].view(np.uint64)[0]) if blob[-2] == 1 else None
-        return Plan(int(blob[0]), got[1], got[0], seed=seed)
-
-    def current(self, *, reload: bool = False) -> Plan | None:
-        """The latest plan (cached in this process until ``reload``); None if none was published."""
-        if self._cached is not None and not reload:
-            return self._cached
-        got = self._read("plan.npy")
-        if got is not None and (self._cached is None or self._cached.seq != got.seq):
-            self._cached = got
-        return self._cached
-
-
-def _pack(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    lengths = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-    offsets = np.zeros(len(batches) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat = np.fromiter((int(i) for b in batches for i in b), dtype=np.int64, count=int(offsets[-1]))
-    return offsets, flat
-
-
-def _blob(seq: int, offsets: np.ndarray, flat: np.ndarray, seed: int | None) -> np.ndarray:
-    # [seq, batches, offsets..., indices..., seed known, the seed's uint64 bits as an int64]
-    tail = np.array([seed is not None, 0], dtype=np.int64)
-    if seed is not None:
-        tail[1:] = np.array([seed], dtype=np.uint64).view(np.int64)
-    return np.concatenate([np.array([seq, len(offsets) - 1], dtype=np.int64), offsets, flat, tail])
-
-
-def _unpack(blob: np.ndarray, at: int, nb: int) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """(offsets, flat, end) of the ``nb`` batches packed at ``blob[at:]``; None if malformed."""
-    offsets = blob[at : at + nb + 1]
-    if nb < 0 or len(offsets) != nb + 1 or offsets[0] != 0:
-        return None
-    end = at + nb + 1 + int(offsets[-1])
-    if end > len(blob) or np.any(np.diff(offsets) < 0):
-        return None
-    return offsets, blob[at + nb + 1 : end], end
+__all__ = ["HandOver", "KeyedBatch", "LookAhead", "PlanningBatchSampler", "Stager"]
 
 
 #: How long before an epoch's last batch is dealt the next epoch's first batches are handed over to
@@ -251,6 +65,12 @@ class PlanningBatchSampler:
 
     The order is exactly the wrapped sampler's (``RandomSampler`` with a generator, a seeded sampler,
     ``DistributedSampler`` after ``set_epoch``): this only observes it.
+
+    ``next_epoch`` (a :class:`blobdata._sampling.NextEpoch`) knows the samplers whose batches it can
+    compute as arrays (``order``: the same draws, no Python list per batch) and predict for the next
+    epoch (``prepare``). With ``across_epochs`` (persistent workers) the next epoch's batches are
+    predicted in a thread during the epoch and published; when that epoch begins from the very sampler
+    state they were predicted from, they are its batches and the sampler is not iterated again.
     """
 
     def __init__(
@@ -258,14 +78,14 @@ class PlanningBatchSampler:
         batch_sampler: Any,
         channel: PlanChannel,
         progress: Any = None,
-        next_epoch: Callable[[Any], Callable[[], Sequence[Sequence[int]]] | None] | None = None,
+        next_epoch: Any = None,
     ) -> None:
         self.batch_sampler = batch_sampler
         self.channel = channel
         self.progress = progress  # a resumed epoch drops its first batches before they are planned
         # Prepares the next epoch's batches from the batch sampler, where they can be known: with
         # `across_epochs` (persistent workers) they are computed in a thread and published during the
-        # epoch, so that the look-ahead runs across its end.
+        # epoch, so that the look-ahead runs across its end, and the next epoch starts from them.
         self.next_epoch = next_epoch
         self.across_epochs = False
         #: Workers that do not outlive the epoch (``persistent_workers=False``): told when an epoch
@@ -274,7 +94,8 @@ class PlanningBatchSampler:
         #: iterated once (an evaluation, a single pass) fetches nothing for an epoch that never comes.
         self.hand_over: HandOver | None = None
         self._epochs = 0
-        self._predicted: tuple[int, Sequence[Sequence[int]], int | None] | None = None
+        self._predicted: Predicted | None = None
+        self.epochs_predicted = 0  # epochs whose batches were the prediction (the sampler not iterated)
 
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the wrapped sampler runs at the first next(), as it does inside a plain
@@ -286,48 +107,60 @@ class PlanningBatchSampler:
             self.hand_over.begin()
         skip = self.progress.begin() if self.progress is not None else 0
         seed = self.progress.sample_seed() if self.progress is not None else None
-        batches: Sequence[list[int]]
-        if seed is None:
-            batches = [list(b) for b in self.batch_sampler][skip:]
+        # The batches predicted for this epoch, if it begins from the state they were predicted from;
+        # else the sampler iterated into arrays, where its kind is known (the same draws).
+        batches: Sequence[list[int]] | PackedBatches
+        predicted, self._predicted = self._predicted, None
+        got = predicted.take(self.batch_sampler) if predicted is not None else None
+        if got is not None:
+            self.epochs_predicted += 1
         else:
-            batches = [KeyedBatch(b, seed) for b in self.batch_sampler][skip:]
+            order = self.next_epoch.order(self.batch_sampler) if self.next_epoch is not None else None
+            got = PackedBatches(*order) if order is not None else None
+        if got is not None:
+            batches = got[skip:] if skip else got
+        else:  # a batch sampler of a kind not known here: its own batches, listed as they are
+            listed = (list(b) if seed is None else KeyedBatch(b, seed) for b in self.batch_sampler)
+            batches = list(itertools.islice(listed, skip, None))
         plan = self.channel.publish(batches, seed)
         if self.progress is not None:
             self.progress.planned(batches)
-        ahead = self.across_epochs or hand_over is not None
-        make = self.next_epoch(self.batch_sampler) if ahead and self.next_epoch else None
-        if make is not None:  # off the epoch's start: as long as planning it (a second for ImageNet)
-            nseed = self.progress.next_sample_seed() if self.progress is not None else None
-            args = (plan.seq, make, nseed)
-            threading.Thread(target=self._announce, args=args, daemon=True).start()
-        if hand_over is None:
-            yield from batches
+        upcoming = self._predict_next(plan.seq)
+        dealt = _lists(batches, seed) if isinstance(batches, PackedBatches) else iter(batches)
+        if hand_over is None or upcoming is None:
+            yield from dealt
         else:
-            yield from self._deal(batches, plan.seq, hand_over)
+            yield from self._deal(dealt, len(batches), upcoming, hand_over)
 
-    def _deal(self, batches: Sequence[list[int]], seq: int, hand_over: HandOver) -> Iterator[list[int]]:
-        """Yield ``batches``; about :data:`HAND_OVER_LEAD_S` before the last is dealt (at the pace
-        dealt so far), give ``hand_over`` the next epoch's batches, once predicted."""
-        start, handed, n = time.perf_counter(), False, len(batches)
+    def _predict_next(self, seq: int) -> Predicted | None:
+        ahead = self.across_epochs or self.hand_over is not None
+        make = self.next_epoch.prepare(self.batch_sampler) if ahead and self.next_epoch else None
+        if make is None:
+            return None
+        # Off the epoch's start, in a thread: kept to be the next epoch's batches if it begins from the
+        # sampler state it was predicted from, published to persistent workers, handed over to others.
+        predicted = Predicted(make)
+        nseed = self.progress.next_sample_seed() if self.progress is not None else None
+        channel = self.channel if self.across_epochs else None
+        # Not a daemon: a program that ends meanwhile waits for it (a fraction of a second), where a
+        # daemon thread still in torch would abort the interpreter's exit ("terminate called ...").
+        threading.Thread(target=_announce, args=(channel, seq, predicted.compute, nseed)).start()
+        self._predicted = predicted
+        return predicted
+
+    def _deal(
+        self, batches: Iterator[list[int]], n: int, upcoming: Predicted, hand_over: HandOver
+    ) -> Iterator[list[int]]:
+        """Yield ``batches`` (``n`` of them); about :data:`HAND_OVER_LEAD_S` before the last is dealt (at
+        the pace dealt so far), give ``hand_over`` the next epoch's batches, once predicted."""
+        start, handed = time.perf_counter(), False
         for k, batch in enumerate(batches):
             yield batch
-            predicted = self._predicted
-            if handed or predicted is None or predicted[0] != seq:
+            if handed or not upcoming.done.is_set() or upcoming.batches is None:
                 continue
             if (n - k - 1) * (time.perf_counter() - start) / (k + 1) <= HAND_OVER_LEAD_S:
                 handed = True
-                hand_over.end(predicted[1], predicted[2])
-
-    def _announce(self, seq: int, make: Callable[[], Sequence[Sequence[int]]], seed: int | None) -> None:
-        """Predict the next epoch's batches (in a thread): published to persistent workers, kept for
-        a hand-over."""
-        try:
-            batches = make()
-            self._predicted = (seq, batches, seed)
-            if self.across_epochs:
-                self.channel.publish_next(seq, batches, seed)
-        except Exception:  # a prediction is an optimisation: the epoch's own plan is the truth
-            log.debug("blobdata: the next epoch's order could not be announced", exc_info=True)
+                hand_over.end(upcoming.batches, None)
 
     def __len__(self) -> int:
         # The whole epoch's count, also while an elastic sampler leaves out a resumed epoch's start.
@@ -336,10 +169,30 @@ class PlanningBatchSampler:
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.
-        own = ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs", "hand_over", "_epochs")
+        own = ("batch_sampler", "channel", "progress", "next_epoch", "across_epochs", "hand_over", "_epochs",
+               "_predicted", "epochs_predicted")  # fmt: skip
         if name in own:
             raise AttributeError(name)
         return getattr(self.batch_sampler, name)
+
+
+def _announce(
+    channel: PlanChannel | None, seq: int, make: Callable[[], Sequence[Sequence[int]]], seed: int | None
+) -> None:
+    try:
+        batches = make()
+        if channel is not None:
+            channel.publish_next(seq, batches, seed)
+    except Exception:  # a prediction is an optimisation: the epoch's own plan is the truth
+        log.debug("blobdata: the next epoch's order could not be announced", exc_info=True)
+
+
+def _lists(batches: PackedBatches, seed: int | None) -> Iterator[list[int]]:
+    """The batches as lists (keyed by ``seed``), one at a time, as they are dealt."""
+    flat, offsets = batches.flat, batches.offsets.tolist()
+    for a, b in itertools.pairwise(offsets):
+        indices: list[int] = flat[a:b].tolist()
+        yield indices if seed is None else KeyedBatch(indices, seed)
 
 
 def _consume(task: asyncio.Future[Any]) -> None:
