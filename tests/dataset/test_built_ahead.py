@@ -159,3 +159,78 @@ def test_the_next_epochs_seed_travels_with_its_order() -> None:
     assert fresh is not None
     again = PlanChannel(channel.path).next_of(fresh)
     assert again is not None and again.seed is None
+
+
+def _staged_per_epoch(loader: Any, epochs: int, wait_hand_over: bool = True) -> tuple[list[Any], list[int]]:
+    """Every epoch's batches and the samples of each served from what was fetched before it was asked
+    for; before each epoch, the training process's fetches for its workers are waited for (they run
+    on its loop while the epoch before ends)."""
+    out, staged, before = [], [], 0
+    for _ in range(epochs):
+        proc = loader.dataset._proc
+        if wait_hand_over and proc is not None and proc.handing is not None:
+            proc.handing.result(timeout=60)
+        out.append([_plain(batch) for batch in loader])
+        now = loader.stats().samples_staged
+        staged.append(now - before)
+        before = now
+    return out, staged
+
+
+@pytest.mark.timeout(180)
+def test_new_workers_find_their_first_batches_fetched_for_them(folder: Path) -> None:
+    """``persistent_workers=False``: from the second epoch on, the training process fetches the next
+    epoch's first two batches of each worker near the epoch's end; the forked workers stage them."""
+
+    def run(hand_over: bool) -> tuple[list[Any], list[int]]:
+        ds = FolderDataset(folder, loader=_sum_loader)
+        loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="fork",
+                               generator=torch.Generator().manual_seed(9))  # fmt: skip
+        if not hand_over:
+            loader._planner.hand_over = None
+        return _staged_per_epoch(loader, 4)
+
+    handed, staged = run(True)
+    fetched_by_workers, alone = run(False)
+    plain = torch.utils.data.DataLoader(
+        FolderDataset(folder, loader=_sum_loader), batch_size=4, shuffle=True, num_workers=2,
+        generator=torch.Generator().manual_seed(9),
+    )  # fmt: skip
+    assert handed == fetched_by_workers == [[_plain(b) for b in plain] for _ in range(1)] + handed[1:]
+    assert handed[1:] == [[_plain(b) for b in plain] for _ in range(3)]
+    # Each new worker's first batch waited for its fetches (4 samples each), except where they were
+    # handed over: epochs 3 and 4 (the first pass hands nothing over, for an epoch that may not come).
+    assert alone == [N - 8] * 4
+    assert staged == [N - 8, N - 8, N, N]
+
+
+@pytest.mark.timeout(180)
+def test_nothing_is_handed_over_to_spawned_workers_or_with_a_cache(
+    folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from blobdata import BlobCache
+
+    for method in ("forkserver", "fork"):
+        cache = BlobCache(tmp_path_factory.mktemp("cache")) if method == "fork" else None
+        kw = {"multiprocessing_context": method}
+        ds = FolderDataset(folder, loader=_sum_loader, cache=cache)
+        loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2, persistent_workers=False,
+                               generator=torch.Generator().manual_seed(9), **kw)  # fmt: skip
+        _staged_per_epoch(loader, 3)
+        proc = ds._proc
+        assert proc is None or proc.handing is None, kw  # no fetch in the training process
+        assert loader._planner.epochs_predicted == 2  # the order was still predicted and taken
+
+
+def test_a_prediction_draws_the_base_seed_a_new_iterator_draws_first() -> None:
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    from blobdata._sampling import NextEpoch
+
+    gen = torch.Generator().manual_seed(4)
+    batches = BatchSampler(RandomSampler(range(30), generator=gen), 4, False)
+    list(batches)  # epoch 1
+    guess = NextEpoch(seed_drawn_from=gen).batches(batches)
+    persistent_guess = NextEpoch().batches(batches)
+    torch.empty((), dtype=torch.int64).random_(generator=gen)  # what DataLoader's new iterator draws
+    assert guess == list(batches) != persistent_guess
