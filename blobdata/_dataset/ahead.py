@@ -18,6 +18,7 @@ used, those generators are put back as they were before it, so the draws are as 
 
 from __future__ import annotations
 
+import multiprocessing.util as mp_util
 import random
 import threading
 from collections.abc import Callable
@@ -44,9 +45,12 @@ class BuiltAhead:
         self._rng = _snapshot()
         self._stop = threading.Event()
         self._result: list[Any] | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(build,), name="blobdata-build-ahead", daemon=True
-        )
+        # Not a daemon: a daemon thread still decoding when a spawned worker's interpreter ends can
+        # abort it ("terminate called ..."), which the DataLoader reports as a killed worker. At the
+        # worker's exit (multiprocessing's finalizers run before its threads are joined) it is told to
+        # stop, and does between two samples.
+        self._thread = threading.Thread(target=self._run, args=(build,), name="blobdata-build-ahead")
+        mp_util.Finalize(self, self._stop.set, exitpriority=20)
         self._thread.start()
 
     def _run(self, build: Callable[[threading.Event], list[Any]]) -> None:

@@ -433,6 +433,13 @@ class BlobDatasetBase:
         self._channel = channel
         _stats.attach(channel.path)  # this process's counters go to the loader's stats from now on
 
+    def _drop_staged(self) -> None:
+        """This process's look-ahead drops what it fetches for an epoch that was abandoned (a loop that
+        broke out of it): its requests are cancelled rather than left to run, and retry, unused."""
+        proc = self._proc
+        if proc is not None and proc.pid == _process.pid() and proc.lookahead is not None:
+            get_loop().call_soon_threadsafe(proc.lookahead.clear)
+
     def close(self) -> None:
         """Drop this process's staged data and cache handle (they are recreated on next use)."""
         proc, self._proc = self._proc, None

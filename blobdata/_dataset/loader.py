@@ -192,10 +192,18 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
     def _collect_skips(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Workers' ``on_error="skip"`` reports join ``dataset.errors`` here, batch by batch."""
         errors = getattr(self.dataset, "errors", None)
-        for batch in batches:
-            if self.num_workers and errors is not None:
-                errors.extend(self._skips.drain())
-            yield batch
+        done = False
+        try:
+            for batch in batches:
+                if self.num_workers and errors is not None:
+                    errors.extend(self._skips.drain())
+                yield batch
+            done = True
+        finally:
+            if not done and not self.num_workers:  # the epoch abandoned: stop fetching ahead for it
+                drop = getattr(self.dataset, "_drop_staged", None)
+                if drop is not None:
+                    drop()
         if self.num_workers and errors is not None:
             errors.extend(self._skips.drain())
 
