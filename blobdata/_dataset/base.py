@@ -211,7 +211,17 @@ class BlobDatasetBase:
         raise NotImplementedError
 
     def _build_ahead(self, idx: list[int], seed: int | None, stop: threading.Event) -> list[Any]:
-        datas = run(self._gather(idx, seed, ahead=True))
+        # Its fetches are given up (cancelled) as soon as the batch will not be used: the worker,
+        # given another batch, waits for this thread, not for a slow or retrying request.
+        fetching = submit(self._gather(idx, seed, ahead=True))
+        while True:
+            try:
+                datas = fetching.result(timeout=0.05)
+                break
+            except concurrent.futures.TimeoutError:
+                if stop.is_set():
+                    fetching.cancel()
+                    raise Stopped from None
         return self._make(idx, datas, seed, stop)
 
     def _failed(self, url: str, exc: BlobdataError, stop: threading.Event | None) -> None:

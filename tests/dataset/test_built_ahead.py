@@ -234,3 +234,19 @@ def test_a_prediction_draws_the_base_seed_a_new_iterator_draws_first() -> None:
     persistent_guess = NextEpoch().batches(batches)
     torch.empty((), dtype=torch.int64).random_(generator=gen)  # what DataLoader's new iterator draws
     assert guess == list(batches) != persistent_guess
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_not_used_gives_up_its_fetches(s3_bucket: Any, s3_server: Any) -> None:
+    """A worker given another batch than the one it built waits for the building thread: that must
+    not mean waiting for its requests, which are cancelled (the proxy answers only after a minute)."""
+    from blobdata._dataset.ahead import BuiltAhead
+    from tests.conftest import S3Proxy
+
+    s3_bucket.put_many({f"d/c{i % 2}/{i:03d}.png": bytes([i + 1]) * 9 for i in range(8)})
+    with S3Proxy(s3_server) as proxy:
+        ds = FolderDataset(s3_bucket.url("d"), storage_options=proxy.storage_options, loader=_sum_loader)
+        proxy.delay_s = 60.0  # listed already; no answer now before the test's timeout
+        built = BuiltAhead([0, 1, 2, 3], 7, lambda stop: ds._build_ahead([0, 1, 2, 3], 7, stop))
+        assert built.take([4, 5, 6, 7], 7) is None  # another batch: returns once the thread gave up
+        proxy.delay_s = 0.0
