@@ -343,10 +343,10 @@ class BlobDatasetBase:
         if self._handoff and torch.utils.data.get_worker_info() is not None:
             # Fetched for this worker before it started: staged as if by its own look-ahead.
             handoff, self._handoff = self._handoff, {}
-            staging = self._lookahead(proc)
-            for i, data in handoff.items():
-                if staging is not None:
-                    staging.stager.put(i, data)
+            adopting = self._lookahead(proc)  # there is a hand-over only with a look-ahead
+            if adopting is not None:
+                for i, data in handoff.items():
+                    adopting.stager.put(i, data)
         staging = proc.lookahead
         tasks: list[asyncio.Future[Any]] = []
         staged_n = 0

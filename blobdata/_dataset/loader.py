@@ -262,7 +262,7 @@ class _FirstBatches:
     def begin(self) -> None:
         self.dataset._drop_handoff()
 
-    def end(self, batches: Sequence[Sequence[int]], seed: int | None) -> None:
+    def end(self, batches: Sequence[Sequence[int]]) -> None:
         if self.dataset.cache is not None or _start_method(self.context) != "fork":
             return  # a spawned worker gets a pickled dataset: nothing handed over reaches it
         self.dataset._hand_over([i for batch in batches[: 2 * self.workers] for i in batch])

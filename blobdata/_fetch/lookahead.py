@@ -42,8 +42,8 @@ class HandOver(Protocol):
     def begin(self) -> None:
         """An epoch begins: its workers exist."""
 
-    def end(self, batches: Sequence[Sequence[int]], seed: int | None) -> None:
-        """Every batch of the epoch is dealt; ``batches`` are the next epoch's, as predicted."""
+    def end(self, batches: Sequence[Sequence[int]]) -> None:
+        """The epoch's last batches are being dealt; ``batches`` are the next epoch's, as predicted."""
 
 
 class KeyedBatch(list[int]):
@@ -89,8 +89,8 @@ class PlanningBatchSampler:
         self.next_epoch = next_epoch
         self.across_epochs = False
         #: Workers that do not outlive the epoch (``persistent_workers=False``): told when an epoch
-        #: begins (the new workers exist) and, near its end, the next epoch's predicted batches and
-        #: seed, to fetch for the workers that will be started. From the second epoch on: a loader
+        #: begins (the new workers exist) and, near its end, the next epoch's predicted batches, to
+        #: fetch for the workers that will be started. From the second epoch on: a loader
         #: iterated once (an evaluation, a single pass) fetches nothing for an epoch that never comes.
         self.hand_over: HandOver | None = None
         self._epochs = 0
@@ -160,7 +160,7 @@ class PlanningBatchSampler:
                 continue
             if (n - k - 1) * (time.perf_counter() - start) / (k + 1) <= HAND_OVER_LEAD_S:
                 handed = True
-                hand_over.end(upcoming.batches, None)
+                hand_over.end(upcoming.batches)
 
     def __len__(self) -> int:
         # The whole epoch's count, also while an elastic sampler leaves out a resumed epoch's start.
