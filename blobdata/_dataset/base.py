@@ -470,4 +470,6 @@ def _named_sampler(ds: BlobDatasetBase, name: str, shuffle: bool | None) -> Any:
         raise ConfigError(f'sampler= takes a sampler or "partitioned", got {name!r}')
     from .._sampling import PartitionedSampler
 
-    return PartitionedSampler(ds, shuffle=shuffle is not False)
+    sampler = PartitionedSampler(ds, shuffle=shuffle is not False)
+    sampler.owned_by_loader = True  # the loader moves its epoch on, unless set_epoch is called
+    return sampler

@@ -109,6 +109,10 @@ class PartitionedSampler(DistributedSampler[int]):
         self.mix = float(mix)
         #: The parts of the current epoch read before this run: (layout, samples per rank), oldest first.
         self.consumed: list[tuple[Layout, int]] = []
+        #: Made by ``dataloader(sampler="partitioned")``: that loader begins each epoch at the next
+        #: epoch unless ``set_epoch`` was called since the last one began.
+        self.owned_by_loader = False
+        self._set_epoch_calls = 0
         self._memo: tuple[tuple[Any, ...], np.ndarray] | None = None
 
     @property
@@ -119,6 +123,7 @@ class PartitionedSampler(DistributedSampler[int]):
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.consumed = []
+        self._set_epoch_calls += 1
         super().set_epoch(epoch)
 
     def share(self) -> np.ndarray:

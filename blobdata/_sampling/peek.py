@@ -95,7 +95,7 @@ def _fingerprint(sampler: Any) -> tuple[Any, ...]:
     ``start``, ``consumed``, dataset and its length ...), comparable with ``==``."""
     out: list[Any] = [type(sampler)]
     for name, value in sorted(vars(sampler).items()):
-        if name == "_memo":  # PartitionedSampler's last order: a cache of the rest
+        if name in ("_memo", "_set_epoch_calls"):  # PartitionedSampler's last order (a cache), its calls
             continue
         if name in ("dataset", "data_source"):
             out.append((name, id(value), len(value)))

@@ -215,11 +215,23 @@ class Progress:
         # An elastic sampler leaves out what a resumed epoch had consumed: the batches that were.
         self._resumed = 0
         self._elastic_resume = False
+        # A sampler the loader made (dataloader(sampler="partitioned")): its epoch and set_epoch calls
+        # when the last epoch began, to move it on when nobody called set_epoch since.
+        self._owned_at: tuple[int, int] | None = None
 
     def at_iter(self) -> None:
         """Called when the loader's iterator is made, before DataLoader draws its base seed."""
         if self._pending is None:
+            self._next_owned_epoch()
             self._at_iter = capture(self.sampler)
+
+    def _next_owned_epoch(self) -> None:
+        """A sampler the loader made itself is the loader's to move on: each epoch is the next one
+        unless ``set_epoch`` was called since the last began (as a loop written for a
+        ``DistributedSampler`` does; its epochs are kept)."""
+        owned, began = getattr(self.sampler, "owned_by_loader", False), self._owned_at
+        if owned and began is not None and self.sampler._set_epoch_calls == began[1]:
+            self.sampler.set_epoch(began[0] + 1)
 
     def begin(self) -> int:
         """Called just before the sampler is iterated for an epoch; returns the batches to skip."""
@@ -237,6 +249,8 @@ class Progress:
             self._resumed, self._elastic_resume = 0, False
         self._start = capture(self.sampler)
         self.batches, self.complete = skip + self._resumed, False
+        if getattr(self.sampler, "owned_by_loader", False):
+            self._owned_at = (int(self.sampler.epoch), self.sampler._set_epoch_calls)
         return skip
 
     def sample_seed(self) -> int | None:

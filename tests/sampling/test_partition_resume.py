@@ -146,3 +146,39 @@ def test_dataloader_shorthand_makes_the_jobs_partitioned_sampler(
     assert ds.dataloader(batch_size=4, sampler="partitioned", shuffle=False).sampler.shuffle is False
     with pytest.raises(ConfigError, match="partitioned"):
         ds.dataloader(batch_size=4, sampler="random")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_partitioned_sampler_the_loader_made_moves_on_each_epoch(ds: FolderDataset, workers: int) -> None:
+    """``sampler="partitioned"`` is the loader's own: a loop that never calls ``set_epoch`` still gets
+    epoch 0, 1, 2 (not epoch 0 three times); one that does (written for DistributedSampler) keeps its
+    epochs; a resumed loader goes on from the state's epoch."""
+    kw: dict[str, Any] = {"num_workers": workers, "persistent_workers": workers > 0}
+    loader = ds.dataloader(batch_size=4, sampler="partitioned", **kw)
+    orders = [[i for b in loader for i in _batch_ids(b)] for _ in range(3)]
+    mine = PartitionedSampler(ds, shuffle=True)
+    want = []
+    for epoch in range(3):
+        mine.set_epoch(epoch)
+        want.append(mine.indices().tolist())
+    assert orders == want and want[0] != want[1]
+    assert loader.sampler.epoch == 2 and loader._planner.epochs_predicted == (2 if workers else 0)
+
+    told = ds.dataloader(batch_size=4, sampler="partitioned", num_workers=workers)
+    for epoch in (5, 5, 9):  # the user's set_epoch calls win, a repeated one included
+        told.sampler.set_epoch(epoch)
+        mine.set_epoch(epoch)
+        assert [i for b in told for i in _batch_ids(b)] == mine.indices().tolist()
+
+    # Stopped after 3 batches of epoch 1, resumed: the rest of epoch 1, then epoch 2.
+    first = ds.dataloader(batch_size=4, sampler="partitioned", num_workers=workers)
+    list(first)  # epoch 0
+    it = iter(first)
+    [next(it) for _ in range(3)]
+    state = first.state_dict()
+    del it
+    again = ds.dataloader(batch_size=4, sampler="partitioned", num_workers=workers)
+    again.load_state_dict(state)
+    rest = [i for b in again for i in _batch_ids(b)]
+    assert rest == want[1][12:]
+    assert [i for b in again for i in _batch_ids(b)] == want[2]
