@@ -389,6 +389,21 @@ class BlobDatasetBase:
 
         await asyncio.gather(*(one(i) for i in chosen))
 
+    def _settle_hand_over(self, wait_s: float = 2.0) -> None:
+        """Before workers are forked: the hand-over's fetches done (they are those workers' first
+        batches), or, past ``wait_s``, cancelled, and this process's loop back to waiting."""
+        proc = self._proc
+        handing = proc.handing if proc is not None and proc.pid == _process.pid() else None
+        if handing is None:
+            return
+        try:
+            handing.result(timeout=wait_s)
+        except concurrent.futures.TimeoutError:
+            handing.cancel()
+            run(asyncio.sleep(0))  # the loop has run the cancellation
+        except Exception:  # cancelled (a new epoch began): nothing to hand over, nothing to wait for
+            return
+
     def _drop_handoff(self) -> None:
         """The workers that were to find the hand-over have started (or will not): drop this copy."""
         self._handoff = {}

@@ -174,6 +174,7 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         # Before DataLoader's iterator draws its base seed from `generator` (which may be the
         # sampler's): a state taken before the first batch then replays this epoch.
         self.progress.at_iter()
+        self._before_workers_start()
         dataloader_iter = super().__iter__
         pipeline = self.device_pipeline
         if pipeline is None:
@@ -188,6 +189,20 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
             return _present(self._collect_skips(self.progress.track(batches)))
 
         return TimedIter(device_batches, self._clock, self._records)
+
+    def _before_workers_start(self) -> None:
+        """New workers are about to be forked (each epoch without persistent workers): first let this
+        process's own threads finish what blobdata gave them, the next epoch's prediction (torch) and
+        the fetches handed over to those workers, so that no fork happens while one of them is
+        inside torch or the runtime (a forked child can inherit a lock held by another thread)."""
+        if not self.num_workers or getattr(self, "_iterator", None) is not None:
+            return  # no workers, or persistent ones already started
+        predicted = self._planner._predicted
+        if predicted is not None:
+            predicted.done.wait()
+        settle = getattr(self.dataset, "_settle_hand_over", None)
+        if settle is not None:
+            settle()
 
     def _collect_skips(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Workers' ``on_error="skip"`` reports join ``dataset.errors`` here, batch by batch."""

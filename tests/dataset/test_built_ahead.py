@@ -250,3 +250,31 @@ def test_a_batch_not_used_gives_up_its_fetches(s3_bucket: Any, s3_server: Any) -
         built = BuiltAhead([0, 1, 2, 3], 7, lambda stop: ds._build_ahead([0, 1, 2, 3], 7, stop))
         assert built.take([4, 5, 6, 7], 7) is None  # another batch: returns once the thread gave up
         proxy.delay_s = 0.0
+
+
+@pytest.mark.timeout(120)
+def test_no_fork_while_the_training_process_still_fetches_or_predicts(s3_bucket: Any, s3_server: Any) -> None:
+    """Before a new epoch forks its workers (``persistent_workers=False``), the training process's
+    hand-over fetches are done or cancelled and the next epoch's prediction is computed: a child
+    forked while another thread is inside torch or the runtime can inherit a lock held by it."""
+    import threading
+
+    from blobdata._fetch.packed import Predicted
+    from tests.conftest import S3Proxy
+
+    s3_bucket.put_many({f"d/c{i % 2}/{i:03d}.png": bytes([i + 1]) * 9 for i in range(8)})
+    with S3Proxy(s3_server) as proxy:
+        ds = FolderDataset(s3_bucket.url("d"), storage_options=proxy.storage_options, loader=_sum_loader)
+        loader = ds.dataloader(batch_size=4, num_workers=2)
+        proxy.delay_s = 60.0  # listed already: the hand-over's requests will not be answered
+        ds._hand_over([0, 1, 2, 3])
+        release = threading.Event()
+        predicted = Predicted(lambda: (release.wait(), (np.arange(8), np.array([0, 4, 8])))[1])
+        threading.Thread(target=predicted.compute).start()
+        loader._planner._predicted = predicted
+        threading.Timer(0.5, release.set).start()  # the prediction ends half a second later
+        loader._before_workers_start()
+        handing = ds._proc.handing if ds._proc is not None else None
+        assert handing is not None and handing.done()  # cancelled after its wait: not in flight
+        assert predicted.done.is_set()
+        proxy.delay_s = 0.0
