@@ -21,7 +21,7 @@ from . import throttle
 from .admission import Gate, gate_for, private_gate, store_key
 from .engine import FetchEngine, endpoint_of
 from .lookahead import HandOver, LookAhead, PlanningBatchSampler
-from .packed import PackedBatches
+from .packed import PackedBatches, Predicted
 from .plans import PlanChannel, sweep_dead_channels
 from .throttle import Limit, Table, key_id, node_table
 
@@ -34,6 +34,7 @@ __all__ = [
     "PackedBatches",
     "PlanChannel",
     "PlanningBatchSampler",
+    "Predicted",
     "Table",
     "endpoint_of",
     "gate_for",

@@ -259,7 +259,7 @@ def test_no_fork_while_the_training_process_still_fetches_or_predicts(s3_bucket:
     forked while another thread is inside torch or the runtime can inherit a lock held by it."""
     import threading
 
-    from blobdata._fetch.packed import Predicted
+    from blobdata._fetch import Predicted
     from tests.conftest import S3Proxy
 
     s3_bucket.put_many({f"d/c{i % 2}/{i:03d}.png": bytes([i + 1]) * 9 for i in range(8)})
