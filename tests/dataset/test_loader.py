@@ -10,19 +10,12 @@ import pytest
 import torch
 
 from blobdata import BlobLoader, ConfigError, FolderDataset
-
-
-def _ids(f: Any) -> int:
-    return int(Path(f.name).stem)
+from tests.support.id_folders import id_dataset
 
 
 @pytest.fixture
 def ds(tmp_path: Path) -> FolderDataset:
-    for i in range(37):
-        d = tmp_path / f"c{i % 3}"
-        d.mkdir(exist_ok=True)
-        (d / f"{i}.png").write_bytes(b"x")
-    return FolderDataset(tmp_path, loader=_ids, lookahead=16)
+    return id_dataset(tmp_path, 37)
 
 
 def _batches(loader: Any) -> list[list[int]]:

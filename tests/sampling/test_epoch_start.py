@@ -25,22 +25,15 @@ import blobdata
 from blobdata import ElasticDistributedSampler, FolderDataset, PartitionedSampler
 from blobdata._fetch import PackedBatches
 from blobdata._sampling import NextEpoch, ServedDigest
+from tests.support.id_folders import id_dataset
 
 N = 37
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _ids(f: Any) -> int:
-    return int(Path(f.name).stem)
-
-
 @pytest.fixture
 def ds(tmp_path: Path) -> FolderDataset:
-    for i in range(N):
-        d = tmp_path / f"c{i % 3}"
-        d.mkdir(exist_ok=True)
-        (d / f"{i}.png").write_bytes(b"x")
-    return FolderDataset(tmp_path, loader=_ids, lookahead=16)
+    return id_dataset(tmp_path, N)
 
 
 class _Sized:

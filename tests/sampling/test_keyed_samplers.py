@@ -14,6 +14,7 @@ import pytest
 
 from blobdata import ConfigError, ElasticDistributedSampler, FolderDataset, PartitionedSampler
 from blobdata._sampling import Layout, epoch_orders, rank_indices, rank_stream
+from tests.support.id_folders import id_dataset
 
 
 class Sized:
@@ -115,11 +116,7 @@ def test_keyed_elastic_sampler_covers_each_epoch_once(n: int, world: int, drop_l
 
 @pytest.fixture
 def ds(tmp_path: Path) -> FolderDataset:
-    for i in range(48):
-        d = tmp_path / f"c{i % 3}"
-        d.mkdir(exist_ok=True)
-        (d / f"{i}.png").write_bytes(b"x")
-    return FolderDataset(tmp_path, loader=lambda f: int(Path(f.name).stem), lookahead=16)
+    return id_dataset(tmp_path, 48)
 
 
 def _loader(ds: FolderDataset, world: int, rank: int, permutation: str = "keyed") -> Any:

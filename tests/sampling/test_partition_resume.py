@@ -12,19 +12,12 @@ import pytest
 
 from blobdata import ConfigError, FolderDataset, PartitionedSampler
 from blobdata._sampling import Layout, node_share
-
-
-def _ids(f: Any) -> int:
-    return int(Path(f.name).stem)
+from tests.support.id_folders import id_dataset
 
 
 @pytest.fixture
 def ds(tmp_path: Path) -> FolderDataset:
-    for i in range(100):
-        d = tmp_path / f"c{i // 10}"
-        d.mkdir(exist_ok=True)
-        (d / f"{i}.png").write_bytes(b"x")
-    return FolderDataset(tmp_path, loader=_ids, lookahead=16)
+    return id_dataset(tmp_path, 100, per_class=10)
 
 
 def _loader(ds: FolderDataset, layout: Layout, rank: int, workers: int = 0) -> Any:

@@ -19,19 +19,12 @@ from blobdata import (
     ManifestError,
     PartitionedSampler,
 )
-
-
-def _ids(f: Any) -> int:
-    return int(Path(f.name).stem)
+from tests.support.id_folders import id_dataset, sample_id
 
 
 @pytest.fixture
 def ds(tmp_path: Path) -> FolderDataset:
-    for i in range(48):
-        d = tmp_path / f"c{i % 3}"
-        d.mkdir(exist_ok=True)
-        (d / f"{i}.png").write_bytes(b"x")
-    return FolderDataset(tmp_path, loader=_ids, lookahead=16)
+    return id_dataset(tmp_path, 48)
 
 
 def _ids_of(batch: Any) -> list[int]:
@@ -145,7 +138,7 @@ def test_a_rank_waiting_for_rank_0s_listing_gives_up_with_a_clear_error(
     with pytest.raises(
         ManifestError, match=r"waited 0s for rank 0's listing of file://.*BLOBDATA_SHARED_DIR"
     ):
-        FolderDataset(ds.root, loader=_ids)
+        FolderDataset(ds.root, loader=sample_id)
 
 
 def test_rank_0s_listing_reaches_the_other_ranks_over_the_shared_file(
@@ -154,17 +147,17 @@ def test_rank_0s_listing_reaches_the_other_ranks_over_the_shared_file(
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("BLOBDATA_SHARED_DIR", str(tmp_path / "shared"))
     monkeypatch.setenv("RANK", "0")
-    first = FolderDataset(ds.root, loader=_ids)
+    first = FolderDataset(ds.root, loader=sample_id)
     (Path(ds.root) / "c0" / "new.png").write_bytes(b"x")  # the folder changes
     monkeypatch.setenv("RANK", "1")
-    second = FolderDataset(ds.root, loader=_ids)  # gets rank 0's table, not a new listing
+    second = FolderDataset(ds.root, loader=sample_id)  # gets rank 0's table, not a new listing
     assert second.manifest.to_bytes() == first.manifest.to_bytes() and len(second) == 48
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(BlobdataError):
-        FolderDataset(str(tmp_path / "missing"), loader=_ids)
+        FolderDataset(str(tmp_path / "missing"), loader=sample_id)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ManifestError, match="rank 0 could not list"):
-        FolderDataset(str(tmp_path / "missing"), loader=_ids)
+        FolderDataset(str(tmp_path / "missing"), loader=sample_id)
 
 
 def test_out_of_order_loaders_have_no_resumable_state(ds: FolderDataset) -> None:

@@ -13,22 +13,15 @@ from torch.utils.data.distributed import DistributedSampler
 
 import blobdata
 from blobdata import ConfigError, FolderDataset
-
-
-def _ids(f: Any) -> int:
-    return int(Path(f.name).stem)
+from tests.support.id_folders import sample_id, write_id_folder
 
 
 def _folder(root: Path, n: int = 48, payload: bytes = b"x") -> Path:
-    for i in range(n):
-        d = root / f"c{i % 3}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"{i}.png").write_bytes(payload)
-    return root
+    return write_id_folder(root, n, payload=payload)
 
 
 def _loader(root: Path, *, batch_size: int = 4, seed: int = 3, workers: int = 0, **kw: Any) -> Any:
-    ds = FolderDataset(root, loader=_ids, lookahead=8)
+    ds = FolderDataset(root, loader=sample_id, lookahead=8)
     if "sampler" in kw:
         kw["sampler"] = kw["sampler"](ds)
     else:
