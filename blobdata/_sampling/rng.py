@@ -107,15 +107,23 @@ class SampleDraws:
     loader) and ``url``. Counter-based draws (:meth:`uniforms`) advance a position, so a transform
     applied twice to one sample (two views) draws twice."""
 
-    __slots__ = ("_numpy", "_torch", "key", "position", "seed", "url")
+    __slots__ = ("_key", "_numpy", "_torch", "position", "seed", "url")
 
     def __init__(self, seed: int | None, url: str) -> None:
+        # Made for every sample served, drawn from by few: nothing is computed until a draw asks.
         self.seed = seed
         self.url = url
-        self.key = sample_key(url)
+        self._key = -1
         self.position = 0
         self._numpy: np.random.Generator | None = None
         self._torch: torch.Generator | None = None
+
+    @property
+    def key(self) -> int:
+        """The sample's stream number (:func:`sample_key` of its URL), computed at the first draw."""
+        if self._key < 0:
+            self._key = sample_key(self.url)
+        return self._key
 
     @property
     def keyed(self) -> bool:
