@@ -8,7 +8,8 @@ Environment (read here only, for the test suite):
 Fixtures: ``s3_server`` (session), ``s3_bucket``, ``s3_proxy``, ``azurite`` and ``gcs_emulator``
 (session, started only when a test asks, skipped with the reason when they cannot start),
 ``az_bucket``, ``gcs_bucket``, ``any_bucket`` (each store in turn: memory://, file://, S3, Azurite,
-the GCS emulator) and the autouse ``isolated_cache_home``.
+the GCS emulator) and the autouse ``isolated_cache_home``; the whole run has its own node state
+(``BLOBDATA_NODE_DIR``, see :func:`pytest_configure`).
 
 Markers: a test that uses a server fixture, directly or through another fixture, is marked
 ``network`` here, so ``-m "not network"`` starts no server (``tests/test_markers.py`` checks it). A
@@ -19,6 +20,8 @@ fixture marks its networked params itself (``pytest.param(..., marks=pytest.mark
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.network)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's own node state (``BLOBDATA_NODE_DIR``): a private directory, in memory where
+    ``/dev/shm`` is writable, so that a run beside live jobs of the same user (or another run of the
+    suite) neither reads nor disturbs their ``/dev/shm/blobdata-<uid>``; subprocesses inherit it."""
+    shm = "/dev/shm"
+    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    path = tempfile.mkdtemp(prefix="blobdata-tests-", dir=where)
+    config.stash[_NODE_DIR] = (path, os.environ.get("BLOBDATA_NODE_DIR"))
+    os.environ["BLOBDATA_NODE_DIR"] = path
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    got = config.stash.get(_NODE_DIR, None)
+    if got is None:
+        return
+    path, before = got
+    if before is None:
+        os.environ.pop("BLOBDATA_NODE_DIR", None)
+    else:
+        os.environ["BLOBDATA_NODE_DIR"] = before
+    shutil.rmtree(path, ignore_errors=True)
+
+
+_NODE_DIR = pytest.StashKey[tuple[str, "str | None"]]()
 
 
 @pytest.fixture(autouse=True)

@@ -2,9 +2,10 @@
 
 Everything blobdata shares between the processes of a node lives in one directory per user,
 ``<root>/blobdata-<uid>/`` (mode 0700, checked without following links by
-:func:`~blobdata._node.owners.per_user_dir`), where ``<root>`` is ``/dev/shm`` (memory: the plans and
-counters of a running loader are rewritten every epoch) or, where there is none, the temporary
-directory. Inside it, names say what a thing is and who made it:
+:func:`~blobdata._node.owners.per_user_dir`), where ``<root>`` is ``BLOBDATA_NODE_DIR`` when set (a
+private node state: a test suite run beside live jobs uses its own), else ``/dev/shm`` (memory: the
+plans and counters of a running loader are rewritten every epoch) or, where there is none, the
+temporary directory. Inside it, names say what a thing is and who made it:
 
 ========================  ====================================================================
 ``throttle-v1.bin``       the node's throttle table (one per user, shared by every process)
@@ -23,11 +24,13 @@ is judged by its pid and start time. Nothing outside this user's directory is ev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 
 from .. import _process
+from .._config import env
 from .owners import alive, hold, owner_gone, per_user_dir, remove_owned_tree
 
 __all__ = ["make_locked_dir", "make_owned_dir", "memory_dir", "shm_root", "sweep", "user_dir"]
@@ -36,10 +39,22 @@ _SHM = "/dev/shm"
 
 
 def shm_root() -> str:
-    """``/dev/shm`` where it is a directory this process may write, else the temporary directory."""
+    """``BLOBDATA_NODE_DIR`` when set (a test suite's, or a job's, private node state); else ``/dev/shm``
+    where it is a directory this process may write, else the temporary directory."""
+    chosen = env("BLOBDATA_NODE_DIR")
+    if chosen is not None:
+        path = os.path.abspath(os.path.expanduser(chosen))
+        with contextlib.suppress(OSError):
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        return path
     if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK):
         return _SHM
     return tempfile.gettempdir()
+
+
+def _in_memory(path: str) -> bool:
+    real = os.path.realpath(path)
+    return real == _SHM or real.startswith(_SHM + "/")
 
 
 def user_dir(root: str | None = None) -> str | None:
@@ -51,7 +66,8 @@ def user_dir(root: str | None = None) -> str | None:
 def memory_dir() -> str | None:
     """:func:`user_dir` only where it is memory (``/dev/shm``): for what must never reach a disk
     (credentials); None elsewhere, and then nothing of the kind is shared."""
-    return user_dir() if shm_root() == _SHM else None
+    root = shm_root()
+    return user_dir(root) if _in_memory(root) else None
 
 
 def make_owned_dir(kind: str, root: str | None = None) -> str:
