@@ -14,7 +14,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from .. import _process
 from .._config import parse_duration
@@ -22,16 +21,15 @@ from .._errors import CacheError, ConfigError
 from .db import Index
 from .index import WAL_SLACK_BYTES, Policy
 from .packs import aligned, punch_supported
+from .reads import Opened, ReadOps
 from .trim import DEFAULT_LIMIT, TrimOps, parse_limit, recorded_bound
 from .trust import open_private_dir
 from .values import (
     DB_NAME,
     HEADER,
     MIN_FILE_SIZE,
-    Corrupt,
     Inline,
     Pending,
-    Refused,
     Staged,
     Values,
     checksum,
@@ -45,13 +43,6 @@ _log = logging.getLogger("blobdata")
 
 _SQLITE_TIMEOUT = 15.0  # seconds a writer waits for the index lock before the put counts as failed
 _INSTANCES: weakref.WeakSet[BlobCache] = weakref.WeakSet()
-
-
-class Opened(NamedTuple):
-    """One process's handles on a cache directory: the SQLite index and the value store."""
-
-    db: Index
-    values: Values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +72,7 @@ class CacheStats:
         return self.hits / total if total else 0.0
 
 
-class BlobCache(TrimOps):
+class BlobCache(ReadOps, TrimOps):
     """A size-bounded, checksummed, process-safe bytes cache in ``directory``.
 
     directory:     a local directory (created with mode 0700) of the current user's (see :mod:`.trust`);
@@ -256,60 +247,6 @@ class BlobCache(TrimOps):
 
     # -- reading ------------------------------------------------------------------------------
 
-    def get(self, url: str, identity: str) -> bytes | None:
-        """Verified bytes of ``(url, identity)``, or None on a miss (absent, corrupt, unreadable).
-
-        One indexed SQLite read and one file read; with policy ``"admit"`` nothing is written.
-        A corrupt or tampered entry is deleted and counted in ``corrupt``.
-        """
-        try:
-            db, values = self._connect()
-            row = db.sql(
-                "SELECT rowid, filename, inline FROM entries WHERE key = ?", (key_of(url, identity),)
-            ).fetchone()
-        except CacheError as exc:
-            self._warn_once(exc)
-            self._bump("misses")
-            return None
-        except (sqlite3.Error, OSError) as exc:
-            _log.debug("blobdata cache %s: read of %s failed (%s)", self._directory, url, exc)
-            self._bump("misses")
-            return None
-        if row is None:
-            self._bump("misses")
-            return None
-        rowid, filename, inline = row
-        try:
-            data = values.fetch(filename, inline)
-        except (Corrupt, Refused, FileNotFoundError) as exc:
-            # A missing file is usually an eviction racing this read (row already gone); _drop
-            # deletes only a row that is still there, i.e. a dangling or corrupt one.
-            if self._drop(db, values, rowid, filename):
-                _log.debug("blobdata cache %s: dropped bad entry for %s (%r)", self._directory, url, exc)
-                self._bump("corrupt")
-            self._bump("misses")
-            return None
-        except OSError as exc:
-            _log.debug("blobdata cache %s: read of %s failed (%s)", self._directory, url, exc)
-            self._bump("misses")
-            return None
-        if self._policy == "lru":
-            # A lost access-time update (index busy) only makes eviction slightly less exact.
-            with contextlib.suppress(sqlite3.Error):
-                db.sql("UPDATE entries SET access_time = ? WHERE rowid = ?", (time.time(), rowid))
-        self._bump("hits")
-        return data
-
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        """Whether ``(url, identity)`` has an entry (no checksum read)."""
-        url, identity = key
-        try:
-            db = self._connect().db
-            row = db.sql("SELECT 1 FROM entries WHERE key = ?", (key_of(url, identity),)).fetchone()
-            return row is not None
-        except (CacheError, sqlite3.Error, OSError):
-            return False
-
     # -- writing ------------------------------------------------------------------------------
 
     def put(self, url: str, identity: str, data: bytes) -> bool:
@@ -350,7 +287,8 @@ class BlobCache(TrimOps):
                     results[i] = True
                     self._bump("stored")
                     continue
-                packed = self._use_packs and len(data) >= MIN_FILE_SIZE
+                inline = len(data) < MIN_FILE_SIZE
+                packed = self._use_packs and not inline
                 need = aligned(len(data)) if packed else len(data) + HEADER.size
                 # A cheap check before writing anything; the authoritative one is in _commit.
                 full = page_bytes + size_sum + planned + need > self._size_limit
@@ -362,7 +300,7 @@ class BlobCache(TrimOps):
                 ):
                     self._bump("rejected")
                     continue
-                if len(data) < MIN_FILE_SIZE:
+                if inline:
                     kind, crc = checksum(data)
                     value: Staged | Inline = Inline(HEADER.pack(kind.encode(), crc) + data)
                 else:
@@ -406,29 +344,10 @@ class BlobCache(TrimOps):
             return Staged(values.packs.append(data, kind, crc), aligned(len(data)))
         return write_value_file(self._directory, data, kind, crc)
 
-    def _bump(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
-
     def _write_failed(self, exc: BaseException) -> None:
         self._bump("write_errors")
         self._paused_until = time.monotonic() + self._pause
         self._warn_once(exc)
-
-    def _warn_once(self, exc: BaseException) -> None:
-        """One warning per cache object and process; later failures are logged at debug level."""
-        if not self._warned:
-            self._warned = True
-            _log.warning(
-                "blobdata cache %s: cannot write (%s: %s); cache writes paused for %.0f s, "
-                "reading objects from the network instead (free space or choose another cache directory)",
-                self._directory,
-                type(exc).__name__,
-                exc,
-                self._pause,
-            )
-        else:
-            _log.debug("blobdata cache %s: write failed again (%s)", self._directory, exc)
 
     def _shared_state(self) -> tuple[int, int]:
         """(volume_bytes, entries) of the directory; zeros if the index cannot be read."""

@@ -216,6 +216,30 @@ class PackStore:
                 data += more
         return data
 
+    def read_many(self, slices: list[tuple[str, int, int]]) -> list[bytes | OSError]:
+        """:meth:`read` of each ``(pack, offset, length)`` (one lock for them all); the OSError met where
+        one could not be read."""
+        out: list[bytes | OSError] = []
+        with self._lock:
+            self._check_pid()
+            fds, pread = self._fds, os.pread
+            for pack, offset, length in slices:
+                try:
+                    fd = fds.get(pack)
+                    if fd is None:
+                        fd = self._fd(pack)
+                    data = pread(fd, length, offset)
+                    while 0 < len(data) < length:  # a short read of a large value: go on
+                        more = pread(fd, length - len(data), offset + len(data))
+                        if not more:
+                            break
+                        data += more
+                except OSError as exc:
+                    out.append(exc)
+                    continue
+                out.append(data)
+        return out
+
     def release(self, pack: str, offset: int, length: int) -> None:
         """Free the blocks of a deleted entry's slice (its row is already gone)."""
         with self._lock:

@@ -26,7 +26,10 @@ except ImportError:  # pragma: no cover - zlib's crc32 is the fallback
     google_crc32c = None
 
 DB_NAME = "cache.db"
-MIN_FILE_SIZE = 32 * 1024  # smaller values live inline in the index: one read, no file
+#: Smaller values live inline in the index: one read, no file. Read from the index's memory map, a
+#: value below this costs less CPU than a pack's ``pread`` (20 KB: 9.6 against 10.1 us, 1 KB: 3.8
+#: against 6.0 us per read, ``thread_time`` on the 2-core box), overflow pages included.
+MIN_FILE_SIZE = 32 * 1024
 CRC32C = google_crc32c is not None and google_crc32c.implementation == "c"
 NAME_RE = re.compile(r"([0-9a-f]{2})/[0-9a-f]{32}-([0-9a-f]{1,16})-([cz])([0-9a-f]{8})\.val")
 HEADER = struct.Struct("<cI")  # inline values: checksum kind (b"c"/b"z") + checksum
@@ -117,6 +120,32 @@ class Values:
                 raise Corrupt("inline value")
             return data
         raise Refused(f"cache row without a value file or an inline value ({type(inline).__name__})")
+
+    def fetch_many(self, rows: list[tuple[object, object]]) -> list[bytes | Exception]:
+        """:meth:`fetch` of each ``(filename, inline)`` row, the pack slices read together (one lock);
+        where a value cannot be had, the exception :meth:`fetch` would raise."""
+        out: list[bytes | Exception] = []
+        slices: list[tuple[int, str, int, int, str, int]] = []
+        for k, (filename, inline) in enumerate(rows):
+            where = parse_slice(filename) if type(filename) is str else None
+            if where is not None:
+                slices.append((k, *where))
+                out.append(b"")
+                continue
+            try:
+                out.append(self.fetch(filename, inline))
+            except (Refused, Corrupt, OSError) as exc:
+                out.append(exc)
+        if slices:
+            got = self.packs.read_many([(pack, offset, length) for _, pack, offset, length, _, _ in slices])
+            for (k, _, _, length, kind, crc), data in zip(slices, got, strict=True):
+                if isinstance(data, OSError):
+                    out[k] = data
+                elif len(data) != length or not verify(data, kind, crc):
+                    out[k] = Corrupt(str(rows[k][0]))
+                else:
+                    out[k] = data
+        return out
 
     def remove(self, filename: object) -> None:
         """Free ``filename``'s value; only names this cache writes (a tampered row deletes nothing)."""
