@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .identity import ServedDigest, compare_runs, listing_digest, run_identity
 from .keyed import permute, round_keys
-from .rng import SampleDraws, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
+from .rng import SampleDraws, enter_batch, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
 from .rng import current as current_sample
 from .rng import enter as enter_sample
 from .rng import leave as leave_sample
@@ -54,6 +54,7 @@ __all__ = [
     "canonical_nodes",
     "compare_runs",
     "current_sample",
+    "enter_batch",
     "enter_sample",
     "epoch_orders",
     "epoch_seed",

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "SampleDraws", "current", "enter", "epoch_seed", "leave", "loader_seed", "sample_key", "sample_rng",
-    "uniforms",
+    "Keyed", "SampleDraws", "current", "enter", "enter_batch", "epoch_seed", "leave", "loader_seed",
+    "sample_key", "sample_rng", "uniforms",
 ]  # fmt: skip
 
 _MASK = (1 << 64) - 1
@@ -175,22 +175,58 @@ class SampleDraws:
         return self._torch
 
 
-_current: ContextVar[SampleDraws | None] = ContextVar("blobdata_sample", default=None)
+class Keyed:
+    """The samples of a batch being made in this thread, one at a time: :meth:`sample` says which
+    (its URL), and its :class:`SampleDraws` are made at the first draw. One per batch (:func:`enter`),
+    so a sample that draws nothing costs two attribute stores."""
+
+    __slots__ = ("_draws", "seed", "url")
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = seed
+        self.url: str | None = None
+        self._draws: SampleDraws | None = None
+
+    def sample(self, url: str) -> None:
+        """The sample ``url`` is being made now (its loader and transforms run)."""
+        self.url = url
+        self._draws = None
+
+    def draws(self) -> SampleDraws | None:
+        """The draws of the sample being made, or None between samples."""
+        draws = self._draws
+        if draws is None and self.url is not None:
+            draws = self._draws = SampleDraws(self.seed, self.url)
+        return draws
+
+
+_current: ContextVar[Keyed | None] = ContextVar("blobdata_sample", default=None)
 
 
 def current() -> SampleDraws | None:
     """The sample being transformed in this thread, or None."""
-    return _current.get()
+    keyed = _current.get()
+    return keyed.draws() if keyed is not None else None
 
 
-def enter(seed: int | None, url: str) -> Token[SampleDraws | None]:
-    """Mark the sample ``url`` as being transformed in this thread, its draws keyed by the epoch's
-    ``seed`` (None: not read through a blobdata loader); :func:`leave` with the token returned."""
-    return _current.set(SampleDraws(seed, url))
+def enter_batch(seed: int | None) -> tuple[Keyed, Token[Keyed | None]]:
+    """A batch's samples are made in this thread, their draws keyed by the epoch's ``seed`` (None: not
+    read through a blobdata loader): :meth:`Keyed.sample` before each sample's loader and transforms,
+    then :func:`leave` with the token."""
+    keyed = Keyed(seed)
+    return keyed, _current.set(keyed)
 
 
-def leave(token: Token[SampleDraws | None]) -> None:
-    """The sample :func:`enter` marked is done."""
+def enter(seed: int | None, url: str) -> Token[Keyed | None]:
+    """One sample, ``url``, is made in this thread (:func:`enter_batch` for a batch of them); then
+    :func:`leave` with the token returned."""
+    keyed, token = enter_batch(seed)
+    keyed.sample(url)
+    return token
+
+
+def leave(token: Token[Keyed | None]) -> None:
+    """The batch (or sample) :func:`enter_batch` (:func:`enter`) began is made."""
     _current.reset(token)
 
 
@@ -211,7 +247,7 @@ def sample_rng(kind: Literal["numpy", "torch"] = "numpy") -> Any:
     ...     g = blobdata.sample_rng()
     ...     return img * g.uniform(0.8, 1.2)
     """
-    draws = _current.get()
+    draws = current()
     if draws is None:
         raise ConfigError(
             "blobdata.sample_rng() is for a transform of a FolderDataset while it transforms a sample "
