@@ -158,7 +158,9 @@ class FetchOptions:
     lookahead:       samples each process fetches ahead of the sampler's order (default 1024; 0
                      disables), with loaders from ``ds.dataloader()``. Each epoch starts two batches
                      ahead and doubles per batch up to this depth, so the first batch does not wait
-                     behind a burst of requests.
+                     behind a burst of requests. A local folder on a local disk has none unless this
+                     is given: each batch reads its files directly, which costs less than fetching
+                     ahead saves there (a network or FUSE mount keeps the default).
     lookahead_bytes: bytes each process may hold staged ahead (default 256MiB).
     adaptive:        share the node's throttle controller (default True). False: requests go at the
                      fixed ``concurrency`` whatever the store answers, and throttled answers spend
@@ -190,7 +192,7 @@ class FetchOptions:
         listing_timeout: float | str = 3600.0,
         throttle_wait: float | str = 10.0,
         adaptive: bool = True,
-        lookahead: int = 1024,
+        lookahead: int | None = None,
         lookahead_bytes: int | str = 256 * 1024**2,
     ) -> None:
         if concurrency is None:
@@ -234,6 +236,9 @@ class FetchOptions:
         if not isinstance(adaptive, bool):
             raise ConfigError(f"adaptive must be True or False, got {adaptive!r}")
         set_(self, "adaptive", adaptive)
+        set_(self, "_lookahead_default", lookahead is None)
+        if lookahead is None:
+            lookahead = 1024
         if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
             raise ConfigError(f"lookahead must be a non-negative number of samples, got {lookahead!r}")
         set_(self, "lookahead", lookahead)
@@ -244,6 +249,13 @@ class FetchOptions:
         """Deprecated name of :attr:`attempts` (which it always was: attempts, the first included)."""
         return self.attempts
 
+    @property
+    def lookahead_given(self) -> bool:
+        """Whether ``lookahead`` was given (else its default applies, and a local disk has none)."""
+        return not getattr(self, "_lookahead_default", False)
+
     def replace(self, **changes: Any) -> FetchOptions:
         """A copy with ``changes`` applied (validated as the constructor validates)."""
+        if "lookahead" not in changes and not self.lookahead_given:
+            changes["lookahead"] = None
         return dataclasses.replace(self, **changes)

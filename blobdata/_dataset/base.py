@@ -14,110 +14,36 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import threading
 import time
-import warnings
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch.utils.data
 
 from .. import _process
-from .._cache import BlobCache, CacheWriter
+from .._cache import BlobCache
 from .._config import FetchOptions
 from .._errors import BlobdataError, ConfigError, note_fields
-from .._fetch import FetchEngine, LookAhead, PlanChannel
+from .._fetch import LookAhead, PlanChannel
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
-from .._stores import redact, resolve_storage_options
+from .._stores import network_mount, redact
 from .._url import parse_url, printable
 from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
+from .reads import PENDING, Objects, ProcessState, read_batch
+from .settings import LEGACY_KEYWORDS, legacy_keywords, resolve_cache
 
-__all__ = ["BlobDatasetBase", "OnError", "resolve_cache"]
+__all__ = ["LEGACY_KEYWORDS", "BlobDatasetBase", "OnError", "legacy_keywords", "resolve_cache"]
 
 log = logging.getLogger("blobdata")
 
 OnError = Literal["raise", "skip"] | Callable[[str, BaseException], None]
-
-
-#: Keyword arguments datasets still accept besides their signature: the look-ahead's former
-#: spellings (now :class:`FetchOptions` fields) and the cache's deprecated ones (now ``cache=``).
-LEGACY_KEYWORDS = frozenset({"lookahead", "lookahead_bytes", "cache_dir", "cache_size", "cache_policy"})
-
-
-def legacy_keywords(owner: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` checked against :data:`LEGACY_KEYWORDS`: an unknown keyword is a TypeError, as
-    Python's own for a misspelt argument."""
-    unknown = sorted(set(given) - LEGACY_KEYWORDS)
-    if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
-    return dict(given)
-
-
-def resolve_cache(
-    cache: str | os.PathLike[str] | BlobCache | None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    cache_size: int | str | None = None,
-    cache_policy: Literal["admit", "lru"] | None = None,
-) -> BlobCache | None:
-    """The dataset's cache from ``cache=`` (or the deprecated spellings), opened once here so that an
-    unusable directory is an error now, not a warning per worker later."""
-    if cache_dir is not None or cache_size is not None or cache_policy is not None:
-        warnings.warn(
-            "FolderDataset(cache_dir=, cache_size=, cache_policy=) are deprecated: pass cache=DIR, or "
-            "cache=BlobCache(DIR, size_limit=..., policy=...)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if cache is not None:
-            raise ConfigError(
-                "pass cache= only (cache_dir=, cache_size= and cache_policy= are its old names)"
-            )
-        if cache_dir is None:
-            return None
-        cache = BlobCache(cache_dir, size_limit=cache_size, policy=cache_policy or "admit")
-    if cache is None or isinstance(cache, BlobCache):
-        return cache
-    if not isinstance(cache, (str, os.PathLike)):
-        raise ConfigError(f"cache must be a directory or a BlobCache, got {type(cache).__name__}")
-    return BlobCache(cache)
-
-
-class _Process:
-    """Per-process handles: fetch engine, cache, staging area. Never pickled."""
-
-    def __init__(self, ds: BlobDatasetBase) -> None:
-        self.pid = _process.pid()
-        self.engine = FetchEngine(
-            ds.fetch_options,
-            ds._protocol,
-            resolve_storage_options(ds._protocol, ds._storage_options),
-            root=ds._url,
-        )
-        # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
-        self.cache: BlobCache | None = ds.cache
-        self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
-        self.lookahead: LookAhead | None = None
-        self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
-        self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
-        # Connections belong to this process's loop: close them there when this state goes away
-        # (the engine closes them itself at interpreter exit).
-        weakref.finalize(self, _close_engine, self.engine, self.pid)
-
-
-def _count_stored(n: int) -> None:
-    _stats.rec()[_stats.CACHE_STORED] += n
-
-
-def _close_engine(engine: FetchEngine, pid: int) -> None:
-    if _process.pid() == pid:
-        with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
-            submit(engine.aclose())
 
 
 class BlobDatasetBase:
@@ -159,14 +85,17 @@ class BlobDatasetBase:
         self._storage_options = dict(storage_options or {})
         self.fetch_options = options
         self.on_error = on_error
-        self.lookahead = options.lookahead
+        # A local disk: each batch reads its files directly, with no look-ahead unless asked for (a
+        # network or FUSE mount keeps it: its reads have a network's latency).
+        on_disk = self._local_root is not None and not network_mount(self._local_root)
+        self.lookahead = 0 if on_disk and not options.lookahead_given else options.lookahead
         self.lookahead_bytes = options.lookahead_bytes
         self.errors: list[tuple[str, BlobdataError]] = []
         self._channel: PlanChannel | None = None
         # What the training process fetched for the workers it starts next (non-persistent workers:
         # the next epoch's first batches); forked workers find it in their copy. Never pickled.
         self._handoff: dict[int, Any] = {}
-        self._proc: _Process | None = None
+        self._proc: ProcessState | None = None
         return given
 
     # -- what a dataset says -----------------------------------------------------------------------
@@ -236,13 +165,37 @@ class BlobDatasetBase:
             raise exc
         self._report(url, exc)
 
-    async def _load(self, i: int) -> Any:
-        """What sample ``i`` reads (its bytes, or every member's), one look-ahead unit."""
+    async def _load(self, i: int, *, checked: bool = False) -> Any:
+        """What sample ``i`` reads (its bytes, or every member's), one look-ahead unit; ``checked``: the
+        look-ahead found it missing in the cache (it is not looked up there again)."""
         raise NotImplementedError
 
     def _size_of(self, i: int) -> int:
         """Bytes sample ``i`` reads, as far as known (the look-ahead's byte budget)."""
         raise NotImplementedError
+
+    def _objects(self, indices: list[int]) -> Objects:
+        """The objects the samples ``indices`` read (a batch's, for the reads that need no loop)."""
+        raise NotImplementedError
+
+    def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError:
+        """The error to report for object ``row`` (of :meth:`_objects`) that could not be read."""
+        return exc
+
+    def _cached(self, indices: list[int]) -> list[bool]:
+        """Whether each sample's objects are all in the node cache: one index lookup for them all, on
+        the loop, for the look-ahead (what it finds is not fetched, but read by the thread serving its
+        batch, which uses the bytes: allocated and freed in one thread, with one lookup per batch)."""
+        cache = self._process().cache
+        if cache is None:
+            return [False] * len(indices)
+        obj = self._objects(indices)
+        t = time.perf_counter()
+        found = cache.has_many(list(zip(obj.urls, obj.ids, strict=True)))
+        _stats.rec()[_stats.CACHE_S] += time.perf_counter() - t
+        if obj.offsets is None:
+            return found
+        return [all(found[a:b]) for a, b in itertools.pairwise(obj.offsets)]
 
     @property
     def cache_dir(self) -> str | None:
@@ -287,29 +240,43 @@ class BlobDatasetBase:
         if callable(self.on_error):
             self.on_error(url, exc)
 
-    def _process(self) -> _Process:
+    def _process(self) -> ProcessState:
         proc = self._proc
         if proc is None or proc.pid != _process.pid():
-            proc = self._proc = _Process(self)
+            proc = self._proc = ProcessState(self)
         return proc
 
     def _fetched(self, indices: list[int], seed: int | None = None) -> list[Any]:
-        """Fetch what the samples ``indices`` read, all at once; the time is counted as fetch wait."""
+        """What the samples ``indices`` read: what needs no loop read here (local files, cache hits,
+        what the look-ahead read ahead from the cache: :mod:`blobdata._dataset.reads`), the rest fetched
+        all at once on the loop; the time is counted as fetch wait."""
         t = time.perf_counter()
-        datas = run(self._gather(indices, seed))
+        proc = self._process()
+        if self._handoff and torch.utils.data.get_worker_info() is not None:
+            datas = run(self._gather(indices, seed))  # the hand-over is adopted on the loop first
+        else:
+            datas = read_batch(self, proc, indices)
+            rest = [k for k, d in enumerate(datas) if d is PENDING]
+            if rest:
+                got = run(self._gather([indices[k] for k in rest], seed, batch=indices))
+                for k, data in zip(rest, got, strict=True):
+                    datas[k] = data
+            elif self._channel is not None and self.lookahead > 0:
+                self._advance(proc, indices, seed)
         _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t
         return datas
 
     async def _fetch_object(
-        self, url: str, size: int | None, identity: str, *, learn: bool = False
+        self, url: str, size: int | None, identity: str, *, learn: bool = False, checked: bool = False
     ) -> tuple[bytes, str]:
-        """One object's ``(bytes, identity)``: from the cache, else from the bucket (then offered to the
-        cache under ``identity``). With ``learn`` and ``identity`` "" (not known yet), the store's answer
-        is read whatever it is and offered under the identity the store gave, which is returned."""
+        """One object's ``(bytes, identity)``: from the cache (unless ``checked``: the look-ahead found
+        it missing there), else from the bucket (then offered to the cache under ``identity``). With
+        ``learn`` and ``identity`` "" (not known yet), the store's answer is read whatever it is and
+        offered under the identity the store gave, which is returned."""
         proc = self._process()
         v = _stats.rec()
         unknown = learn and not identity
-        if proc.cache is not None and not unknown:
+        if proc.cache is not None and not unknown and not checked:
             # Inline on the loop thread: a hit is one index read and one file read (~50 us), less
             # than a hop to an executor thread costs.
             t = time.perf_counter()
@@ -327,18 +294,30 @@ class BlobDatasetBase:
             v[_stats.CACHE_DROPPED] += 1
         return data, key
 
-    def _lookahead(self, proc: _Process) -> LookAhead | None:
+    def _lookahead(self, proc: ProcessState) -> LookAhead | None:
         if self.lookahead <= 0:
             return None
         if proc.lookahead is None:
+            # With a cache, the look-ahead looks its samples up there first (:meth:`_cached`) and fetches
+            # only those it misses, which are not looked up again.
+            cached = self._cached if proc.cache is not None else None
+            fetch = functools.partial(self._load, checked=True) if cached is not None else self._load
             proc.lookahead = LookAhead(
-                self._load, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes
+                fetch, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes, cached=cached
             )
         return proc.lookahead
 
-    async def _gather(self, indices: list[int], seed: int | None = None, *, ahead: bool = False) -> list[Any]:
+    async def _gather(
+        self,
+        indices: list[int],
+        seed: int | None = None,
+        *,
+        ahead: bool = False,
+        batch: list[int] | None = None,
+    ) -> list[Any]:
         """What ``indices`` (keyed by ``seed``) read, staged or fetched now; then the look-ahead moves
-        past them (not for a batch built ahead: it is not this epoch's)."""
+        past the batch they belong to (``batch``, by default ``indices``; not for a batch built ahead:
+        it is not this epoch's)."""
         proc = self._process()
         if self._handoff and torch.utils.data.get_worker_info() is not None:
             # Fetched for this worker before it started: staged as if by its own look-ahead.
@@ -356,10 +335,10 @@ class BlobDatasetBase:
             tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
         _stats.rec()[_stats.STAGED] += staged_n
         if not ahead:  # after this batch's own requests, so that requests start in the sampler's order
-            self._advance_on_loop(proc, indices, seed)
+            self._advance_on_loop(proc, batch if batch is not None else indices, seed)
         return list(await asyncio.gather(*tasks, return_exceptions=True))
 
-    def _advance_on_loop(self, proc: _Process, indices: list[int], seed: int | None) -> None:
+    def _advance_on_loop(self, proc: ProcessState, indices: list[int], seed: int | None) -> None:
         channel = self._channel
         staging = self._lookahead(proc) if channel is not None else None
         if staging is not None and channel is not None:
@@ -412,9 +391,19 @@ class BlobDatasetBase:
             proc.handing.cancel()
             proc.handing = None
 
-    def _advance(self, proc: _Process, indices: list[int], seed: int | None) -> None:
-        """Move the look-ahead past ``indices`` (from outside the loop; it runs there, in order)."""
-        get_loop().call_soon_threadsafe(self._advance_on_loop, proc, indices, seed)
+    def _advance(self, proc: ProcessState, indices: list[int], seed: int | None) -> None:
+        """Move the look-ahead past ``indices`` (from outside the loop; it runs there, in order). The
+        next batch waits for it to be done (:attr:`ProcessState.advancing`) before it reads anything
+        itself: what the look-ahead stages is then never also read by the batch."""
+        done = proc.advancing = threading.Event()
+
+        def advance() -> None:
+            try:
+                self._advance_on_loop(proc, indices, seed)
+            finally:
+                done.set()
+
+        get_loop().call_soon_threadsafe(advance)
 
     # -- loaders that know the order ---------------------------------------------------------------
     def dataloader(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import os
 import threading
 import time
@@ -27,11 +28,12 @@ from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
 from .._errors import BlobdataError, ConfigError, DecodeError, NotFound
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
-from .._sampling import enter_sample, leave_sample
+from .._sampling import enter_batch, leave_sample
 from .._stores import resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .ahead import Stopped
 from .base import BlobDatasetBase, OnError, resolve_cache
+from .reads import Objects
 
 __all__ = ["BlobDataset"]
 
@@ -178,33 +180,65 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         rows = t.members(i)
         return sum(int(t.sizes[j]) if t.sizes[j] >= 0 else _UNKNOWN_SIZE for j in rows)
 
-    async def _load(self, i: int) -> list[bytes]:
-        """Every member of sample ``i``, fetched together."""
+    async def _load(self, i: int, *, checked: bool = False) -> list[bytes]:
+        """Every member of sample ``i``, fetched together (not looked up in the cache if ``checked``)."""
         rows = self._table.members(i)
-        got = await asyncio.gather(*(self._load_object(j) for j in rows), return_exceptions=True)
+        got = await asyncio.gather(*(self._load_object(j, checked) for j in rows), return_exceptions=True)
         for g in got:
             if isinstance(g, BaseException):
                 raise g
         return [g for g in got if isinstance(g, bytes)]
 
-    async def _load_object(self, j: int) -> bytes:
+    async def _load_object(self, j: int, checked: bool = False) -> bytes:
         t = self._table
         url, size, identity = t.url(j), int(t.sizes[j]), t.identity(j)
         if not identity:
             identity = self._learned.get(j) or self._remembered(url)
         try:
-            data, got = await self._fetch_object(url, size if size >= 0 else None, identity, learn=True)
+            # ``checked``: the look-ahead found the object missing under the identity known then.
+            known = bool(t.identity(j) or self._learned.get(j))
+            data, got = await self._fetch_object(
+                url, size if size >= 0 else None, identity, learn=True, checked=checked and known
+            )
         except NotFound as exc:
-            where = t.where(j)
-            if where:
-                raise NotFound(f"{url}, named in {where}, does not exist: {exc.message}", url=url) from exc
-            raise
+            wrapped = self._object_error(j, exc)
+            if wrapped is exc:
+                raise
+            raise wrapped from exc
         if not t.identity(j) and got and j not in self._learned:
             self._learned[j] = got
             proc = self._process()
             if proc.writer is not None and not identity:
                 proc.writer.offer(LEARNED + url, LEARNED, got.encode("utf-8", "surrogatepass"))
         return data
+
+    def _objects(self, indices: list[int]) -> Objects:
+        t = self._table
+        rows = self.object_rows(indices).tolist()
+        offsets = t.offsets
+        counts = (offsets[np.asarray(indices, dtype=np.int64) + 1] - offsets[indices]).tolist()
+        starts = [0, *itertools.accumulate(counts)]
+        ids = t.identities(rows)
+        urls = t.urls(rows)
+        if not all(ids):  # an index without ETags: the identities learned at a first read
+            learned = self._learned
+            unknown = [k for k, j in enumerate(rows) if not ids[k] and j not in learned]
+            cache = self._process().cache if unknown else None
+            if cache is not None:  # remembered in the cache, by this process or an earlier one
+                got = cache.get_many([(LEARNED + urls[k], LEARNED) for k in unknown])
+                for k, data in zip(unknown, got, strict=True):
+                    if data:
+                        learned[rows[k]] = data.decode("utf-8", "surrogatepass")
+            ids = [ident or learned.get(j, "") for j, ident in zip(rows, ids, strict=True)]
+        return Objects(rows, starts, urls, t.sizes[rows].tolist(), ids)
+
+    def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError:
+        where = self._table.where(row) if isinstance(exc, NotFound) else ""
+        if not where:
+            return exc
+        wrapped = NotFound(f"{exc.url}, named in {where}, does not exist: {exc.message}", url=exc.url)
+        wrapped.__cause__ = exc
+        return wrapped
 
     def _remembered(self, url: str) -> str:
         """The identity a cache remembers for ``url`` from an earlier first read, or ""."""
@@ -221,32 +255,33 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         decoding = transforming = 0.0
         out: list[Any] = []
         t = self._table
-        for i, data in zip(idx, datas, strict=True):
-            if stop is not None and stop.is_set():
-                raise Stopped
-            key = t.key(i)
-            url = f"{self._url}/{key}"
-            token = enter_sample(seed, url)  # blobdata.sample_rng() and our transforms draw from it
-            try:
-                if isinstance(data, BaseException):
-                    raise data
-                t0 = clock()
-                if self._raw:  # the device path: the image's bytes for the device, the rest as the target
-                    out.append(self._raw_sample(i, key, url, data))
-                    decoding += clock() - t0
+        keyed, token = enter_batch(seed)  # blobdata.sample_rng() and our transforms draw from it
+        try:
+            for i, data, key in zip(idx, datas, t.keys(idx), strict=True):
+                if stop is not None and stop.is_set():
+                    raise Stopped
+                url = f"{self._url}/{key}"
+                keyed.sample(url)
+                try:
+                    if isinstance(data, BaseException):
+                        raise data
+                    t0 = clock()
+                    if self._raw:  # the device path: the image's bytes for the device, the rest as the target
+                        out.append(self._raw_sample(i, key, url, data))
+                        decoding += clock() - t0
+                        continue
+                    sample = self._decode(i, key, url, data)
+                    t1 = clock()
+                    decoding += t1 - t0
+                    if self.transform is not None:
+                        sample = self.transform(sample)
+                        transforming += clock() - t1
+                except BlobdataError as exc:
+                    self._failed(url, exc, stop)
                     continue
-                sample = self._decode(i, key, url, data)
-                t1 = clock()
-                decoding += t1 - t0
-                if self.transform is not None:
-                    sample = self.transform(sample)
-                    transforming += clock() - t1
-            except BlobdataError as exc:
-                self._failed(url, exc, stop)
-                continue
-            finally:
-                leave_sample(token)
-            out.append(sample)
+                out.append(sample)
+        finally:
+            leave_sample(token)
         v = _stats.rec()
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming

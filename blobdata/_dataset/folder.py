@@ -25,12 +25,13 @@ from .._decode import decode, decode_with, default_loader
 from .._errors import BlobdataError, ConfigError
 from .._listing import Manifest, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
-from .._sampling import enter_sample, leave_sample
+from .._sampling import enter_batch, leave_sample
 from .._stores import resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .ahead import Stopped
 from .base import BlobDatasetBase, OnError, legacy_keywords, resolve_cache
 from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
+from .reads import Objects
 
 __all__ = ["FolderDataset"]
 
@@ -175,51 +176,63 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         decoding = transforming = 0.0
         out: list[Any] = []
         m, targets = self._manifest, self._targets
+        prefix = m.url_prefix
+        read = self._process().urls  # the URLs the batch's read decoded already, if it did
+        if read is not None and read[0] is idx:
+            cut = len(prefix)
+            relkeys = [u[cut:] for u in read[1]]
+        else:
+            relkeys = m.relkeys(idx)
         local = path_prefix(m, self._local_root) if self._local_root is not None else None
         decode_aware = hasattr(self.transform, "decode_and_apply")
-        raw = self._raw
-        for i, data in zip(idx, datas, strict=True):
-            if stop is not None and stop.is_set():
-                raise Stopped
-            url = m.url(i)
-            token = enter_sample(seed, url)  # blobdata.sample_rng() and our transforms draw from it
-            try:
-                if isinstance(data, BaseException):
-                    raise data
-                t = clock()
-                if raw:  # the device path: bytes of JPEGs for the GPU, the rest decoded here (blobdata.gpu)
-                    sample = prepare_raw(data, url)
-                    decoding += clock() - t
-                elif decode_aware:  # the transform decodes only what it needs (blobdata.transforms)
-                    sample = decode_with(self.transform, data, url)
-                    decoding += clock() - t
-                elif self.transform is not None:
-                    sample = decode(data, url, self.loader, path=local and local + m.relkey(i))
-                    t2 = clock()
-                    decoding += t2 - t
-                    sample = self.transform(sample)
-                    transforming += clock() - t2
-                else:
-                    sample = decode(data, url, self.loader, path=local and local + m.relkey(i))
-                    decoding += clock() - t
-                target: Any = int(targets[i])
-                if self.target_transform is not None:
-                    target = self.target_transform(target)
-            except BlobdataError as exc:
-                self._failed(url, exc, stop)
-                continue
-            finally:
-                leave_sample(token)
-            out.append((sample, url, target) if raw else (sample, target))
+        transform, loader, raw = self.transform, self.loader, self._raw
+        keyed, token = enter_batch(seed)  # blobdata.sample_rng() and our transforms draw from it
+        try:
+            for i, data, key in zip(idx, datas, relkeys, strict=True):
+                if stop is not None and stop.is_set():
+                    raise Stopped
+                url = prefix + key
+                keyed.sample(url)
+                try:
+                    if isinstance(data, BaseException):
+                        raise data
+                    t = clock()
+                    if raw:  # the device path: JPEG bytes for the GPU, the rest decoded here (blobdata.gpu)
+                        sample = prepare_raw(data, url)
+                        decoding += clock() - t
+                    elif decode_aware:  # the transform decodes only what it needs (blobdata.transforms)
+                        sample = decode_with(transform, data, url)
+                        decoding += clock() - t
+                    else:
+                        sample = decode(data, url, loader, path=local and local + key)
+                        t2 = clock()
+                        decoding += t2 - t
+                        if transform is not None:
+                            sample = transform(sample)
+                            transforming += clock() - t2
+                    target: Any = int(targets[i])
+                    if self.target_transform is not None:
+                        target = self.target_transform(target)
+                except BlobdataError as exc:
+                    self._failed(url, exc, stop)
+                    continue
+                out.append((sample, url, target) if raw else (sample, target))
+        finally:
+            leave_sample(token)
         v = _stats.rec()
         v[_stats.DECODE_S] += decoding
         v[_stats.TRANSFORM_S] += transforming
         return out
 
-    async def _load(self, i: int) -> bytes:
-        """Bytes of sample ``i``: from the cache, else from the bucket (then offered to the cache)."""
+    async def _load(self, i: int, *, checked: bool = False) -> bytes:
+        """Bytes of sample ``i``: from the cache (unless ``checked`` already), else from the bucket
+        (then offered to the cache)."""
         m = self._manifest
-        return (await self._fetch_object(m.url(i), m.size(i), m.identity(i)))[0]
+        return (await self._fetch_object(m.url(i), m.size(i), m.identity(i), checked=checked))[0]
+
+    def _objects(self, indices: list[int]) -> Objects:
+        m = self._manifest
+        return Objects(indices, None, m.urls(indices), m.sizes[indices].tolist(), m.identities(indices))
 
     def _size_of(self, i: int) -> int:
         return int(self._manifest.sizes[i])

@@ -20,12 +20,13 @@ from __future__ import annotations
 from . import throttle
 from .admission import Gate, gate_for, private_gate, store_key
 from .engine import FetchEngine, endpoint_of
-from .lookahead import HandOver, LookAhead, PlanningBatchSampler
+from .lookahead import IN_FLIGHT, HandOver, LookAhead, PlanningBatchSampler
 from .packed import PackedBatches, Predicted
 from .plans import PlanChannel, sweep_dead_channels
 from .throttle import Limit, Table, key_id, node_table
 
 __all__ = [
+    "IN_FLIGHT",
     "FetchEngine",
     "Gate",
     "HandOver",

@@ -26,7 +26,7 @@ from .plans import Plan, PlanChannel
 
 log = logging.getLogger("blobdata")
 
-__all__ = ["HandOver", "KeyedBatch", "LookAhead", "PlanningBatchSampler", "Stager"]
+__all__ = ["IN_FLIGHT", "HandOver", "KeyedBatch", "LookAhead", "PlanningBatchSampler", "Stager"]
 
 
 #: How long before an epoch's last batch is dealt the next epoch's first batches are handed over to
@@ -201,11 +201,19 @@ def _consume(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
+#: What :meth:`Stager.take_ready` says of an index the loop is fetching (or holds fetched).
+IN_FLIGHT: Any = object()
+
+
 class Stager:
     """Bounded staging area of fetched-ahead bytes in one process, keyed by sample index.
 
     ``max_items`` and ``max_bytes`` bound what is staged or in flight (bytes counted by the listed
-    object sizes). Runs on the process's blobdata event loop; ``take`` is called from the loop too.
+    object sizes). Runs on the process's blobdata event loop, except :meth:`take_ready`, which the
+    thread serving batches calls once per batch. With ``cached`` (a batch of indices -> whether each
+    one's objects are all in the node cache: one index lookup), what the cache holds is not fetched:
+    it is marked *present* and left to the thread serving its batch, which reads it from the cache
+    itself (one lookup per batch, in the thread that uses the bytes); only the rest is fetched.
     """
 
     def __init__(
@@ -215,13 +223,17 @@ class Stager:
         *,
         max_items: int,
         max_bytes: int,
+        cached: Callable[[list[int]], list[bool]] | None = None,
     ) -> None:
         self._fetch = fetch
         self._size_of = size_of
+        self._cached = cached
         self.max_items = max_items
         self.max_bytes = max_bytes
         self._tasks: dict[int, asyncio.Future[Any]] = {}
+        self._present: set[int] = set()  # found in the cache: read by the thread serving the batch
         self._bytes = 0
+        self._lock = threading.Lock()  # _tasks and _present are read by the thread serving batches
         self.peak_items = 0
         self.peak_bytes = 0
 
@@ -230,43 +242,78 @@ class Stager:
         return self._bytes
 
     def __len__(self) -> int:
-        return len(self._tasks)
+        return len(self._tasks) + len(self._present)
 
     def schedule(self, indices: Sequence[int]) -> int:
-        """Start fetching ``indices`` in order until a bound is reached; returns how many were started."""
-        started = 0
-        for raw in indices:
-            i = int(raw)
-            if i in self._tasks:
-                continue
-            size = self._size_of(i)
-            if len(self._tasks) >= self.max_items or (self._tasks and self._bytes + size > self.max_bytes):
-                break
-            self._tasks[i] = asyncio.ensure_future(self._fetch(i))
-            self._bytes += size
-            started += 1
-        self.peak_items = max(self.peak_items, len(self._tasks))
-        self.peak_bytes = max(self.peak_bytes, self._bytes)
-        return started
+        """Stage ``indices`` in order until a bound is reached (those the cache holds marked present,
+        one lookup for them all; the others fetched); returns how many of them are staged (now or
+        already): fewer than given where a bound stopped it."""
+        chosen: list[int] = []
+        sizes: list[int] = []
+        tasks, present = self._tasks, self._present
+        handled = 0
+        with self._lock:
+            count, total = len(tasks) + len(present), self._bytes
+            for raw in indices:
+                i = int(raw)
+                if i in tasks or i in present:
+                    handled += 1
+                    continue
+                size = self._size_of(i)
+                if count >= self.max_items or (count and total + size > self.max_bytes):
+                    break
+                chosen.append(i)
+                sizes.append(size)
+                count, total, handled = count + 1, total + size, handled + 1
+        if not chosen:
+            return handled
+        found = self._cached(chosen) if self._cached is not None else None
+        with self._lock:
+            for k, i in enumerate(chosen):
+                if found is not None and found[k]:
+                    present.add(i)
+                else:
+                    tasks[i] = asyncio.ensure_future(self._fetch(i))
+                    self._bytes += sizes[k]
+            self.peak_items = max(self.peak_items, len(tasks) + len(present))
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+        return handled
 
     def put(self, index: int, value: Any) -> None:
         """Stage ``value``, fetched already (by the process that started this one); call on the loop."""
-        if index not in self._tasks:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(value)
-            self._tasks[index] = done
-            self._bytes += self._size_of(index)
+        with self._lock:
+            if index not in self._tasks:
+                self._present.discard(index)
+                done = asyncio.get_running_loop().create_future()
+                done.set_result(value)
+                self._tasks[index] = done
+                self._bytes += self._size_of(index)
 
     def pop(self, index: int) -> asyncio.Future[Any] | None:
-        """Remove and return the staged fetch of ``index`` (None if not staged)."""
-        task = self._tasks.pop(index, None)
-        if task is not None:
-            self._bytes -= self._size_of(index)
+        """Remove and return the staged fetch of ``index`` (None if not fetched here: not staged, or
+        present in the cache); call on the loop."""
+        with self._lock:
+            self._present.discard(index)
+            task = self._tasks.pop(index, None)
+            if task is not None:
+                self._bytes -= self._size_of(index)
         return task
+
+    def take_ready(self, indices: Sequence[int]) -> list[bool]:
+        """For each of ``indices``, whether the loop fetches it (take it there: :meth:`pop`); the
+        others (present in the cache, or not staged) are the caller's to read, and no longer marked.
+        From the thread serving batches, once per batch."""
+        with self._lock:
+            present, tasks = self._present, self._tasks
+            if present:
+                present.difference_update(indices)
+            return [i in tasks for i in indices]
 
     def clear(self) -> None:
         """Drop everything staged or in flight (a new epoch made it useless)."""
-        tasks, self._tasks, self._bytes = self._tasks, {}, 0
+        with self._lock:
+            tasks, self._tasks, self._bytes = self._tasks, {}, 0
+            self._present = set()
         for task in tasks.values():
             task.cancel()
             task.add_done_callback(_consume)
@@ -295,11 +342,13 @@ class LookAhead:
         *,
         max_items: int,
         max_bytes: int,
+        cached: Callable[[list[int]], list[bool]] | None = None,
     ) -> None:
-        self.stager = Stager(fetch, size_of, max_items=max_items, max_bytes=max_bytes)
+        self.stager = Stager(fetch, size_of, max_items=max_items, max_bytes=max_bytes, cached=cached)
         self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
         self._plan: Plan | None = None
         self._ramp = 0  # batches served this epoch, up to where the depth is full
+        self._frontier = 0  # the plan's batches before this one are staged already (or were served)
         #: ``(indices, seed)`` of the first batch this process will be given in the next epoch, set at
         #: its last batch of this one where the next epoch is announced (a batch to build ahead).
         self.next_first: tuple[list[int], int | None] | None = None
@@ -335,26 +384,36 @@ class LookAhead:
                 self._ramp = min(self._ramp, 1)
             self._plan_key = (channel.path, plan.seq)
             self._plan = plan
+            self._frontier = 0
         depth = min(stager.max_items, max(len(indices), 1) << (self._ramp + 1))
         if depth < stager.max_items:
             self._ramp += 1
+        # This process's batches k+stride, k+2*stride, ... up to `depth` samples; those before the
+        # frontier were staged by an earlier call: only the new ones are handed to the stager (one
+        # batch per call once the depth is reached, not the whole depth again).
         ahead: list[int] = []
-        nxt = k + stride
-        while nxt < plan.num_batches and len(ahead) < depth:
-            ahead.extend(plan.batch(nxt).tolist())
+        nxt, count, frontier = k + stride, 0, self._frontier
+        offsets = plan.offsets
+        while nxt < plan.num_batches and count < depth:
+            if nxt >= frontier:
+                ahead.extend(plan.batch(nxt).tolist())
+            count += int(offsets[nxt + 1] - offsets[nxt])
             nxt += stride
-        upcoming = channel.next_of(plan) if nxt >= plan.num_batches and len(ahead) < depth else None
+        reached = nxt
+        upcoming = channel.next_of(plan) if nxt >= plan.num_batches and count < depth else None
         if upcoming is not None:  # across the epoch's end: this process's first two batches of the next
             # (the ramp's start: a whole epoch staged at once would make its first batch wait for all)
-            nxt, limit = k % stride, min(depth, len(ahead) + 2 * max(len(indices), 1))
+            nxt, limit = k % stride, min(depth - count + len(ahead), len(ahead) + 2 * max(len(indices), 1))
             while nxt < upcoming.num_batches and len(ahead) < limit:
                 ahead.extend(upcoming.batch(nxt).tolist())
                 nxt += stride
             if k + stride >= plan.num_batches and k % stride < upcoming.num_batches:
                 # This process's last batch of the epoch: the first it will be given in the next.
                 self.next_first = (upcoming.batch(k % stride).tolist(), upcoming.seed)
-        stager.schedule(ahead)
+        if stager.schedule(ahead) == len(ahead) and upcoming is None:
+            self._frontier = max(frontier, reached)  # else (a bound reached): tried again next time
 
     def clear(self) -> None:
         """Drop everything staged (call on the loop)."""
         self.stager.clear()
+        self._frontier = 0

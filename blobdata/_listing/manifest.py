@@ -68,6 +68,19 @@ def _join(strings: Sequence[str]) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np
     return buf, offsets
 
 
+def strings_at(buf: npt.NDArray[np.uint8], offs: npt.NDArray[np.int64], rows: Sequence[int]) -> list[str]:
+    """The strings ``rows`` of a string buffer and its offsets (a batch's keys: one numpy gather for the
+    offsets, one decode each)."""
+    at = np.asarray(rows, dtype=np.int64)
+    if at.size and (int(at.min()) < 0 or int(at.max()) >= len(offs) - 1):
+        raise IndexError(f"rows {rows!r} out of range for {len(offs) - 1} entries")
+    view = buf.data
+    return [
+        view[a:b].tobytes().decode(_ENC, _ERRORS)
+        for a, b in zip(offs[at].tolist(), offs[at + 1].tolist(), strict=True)
+    ]
+
+
 def _decreases(offsets: npt.NDArray[np.int64]) -> bool:
     """Whether ``offsets`` ever decreases; in slices, so that a mapped manifest's check allocates
     little (a whole ``np.diff`` would be 8 bytes a sample of anonymous memory)."""
@@ -251,6 +264,24 @@ class Manifest:
     def url(self, i: int) -> str:
         """``root + "/" + relkey``: the exact key, never normalised."""
         return self._url_prefix + self.relkey(i)
+
+    @property
+    def url_prefix(self) -> str:
+        """What every :meth:`url` starts with: ``root + "/"``."""
+        return self._url_prefix
+
+    def urls(self, rows: Sequence[int]) -> list[str]:
+        """:meth:`url` of each of ``rows`` (a batch at once)."""
+        prefix = self._url_prefix
+        return [prefix + k for k in strings_at(self._keys, self._key_offsets, rows)]
+
+    def relkeys(self, rows: Sequence[int]) -> list[str]:
+        """:meth:`relkey` of each of ``rows`` (a batch at once)."""
+        return strings_at(self._keys, self._key_offsets, rows)
+
+    def identities(self, rows: Sequence[int]) -> list[str]:
+        """:meth:`identity` of each of ``rows`` (a batch at once)."""
+        return strings_at(self._ids, self._id_offsets, rows)
 
     def identity(self, i: int) -> str:
         """ETag / generation / mtime-size string of sample ``i`` at listing time."""

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._errors import ConfigError
-from .manifest import _join
+from .manifest import _join, strings_at
 
 __all__ = ["Member", "SampleTable", "split_key"]
 
@@ -169,6 +169,10 @@ class SampleTable:
     def key(self, i: int) -> str:
         return _strings(self._keys, self._keys_off, i)
 
+    def keys(self, indices: Sequence[int]) -> list[str]:
+        """:meth:`key` of each of ``indices`` (a batch at once)."""
+        return strings_at(self._keys, self._keys_off, indices)
+
     def members(self, i: int) -> range:
         """The object rows of sample ``i``."""
         return range(int(self.offsets[i]), int(self.offsets[i + 1]))
@@ -181,6 +185,15 @@ class SampleTable:
 
     def identity(self, j: int) -> str:
         return _strings(self._ids, self._ids_off, j)
+
+    def urls(self, rows: Sequence[int]) -> list[str]:
+        """:meth:`url` of each object row of ``rows`` (a batch at once)."""
+        prefix = self.root + "/"
+        return [prefix + k for k in strings_at(self._rel, self._rel_off, rows)]
+
+    def identities(self, rows: Sequence[int]) -> list[str]:
+        """:meth:`identity` of each object row of ``rows`` (a batch at once)."""
+        return strings_at(self._ids, self._ids_off, rows)
 
     def name(self, j: int) -> str:
         return _strings(self._names, self._names_off, j)

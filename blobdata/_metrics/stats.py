@@ -58,7 +58,17 @@ _HIST0 = 33
 #: GET latency histogram: 4 buckets per octave from 10 us; the last bucket holds everything above ~170 s.
 _BUCKETS = 96
 _BASE_S = 1e-5
-SIZE = _HIST0 + _BUCKETS  # slots (8 bytes each); slot 1 holds SIZE, a layout check
+#: What the thread that serves batches counts itself, once per batch (reads made without the loop: cache
+#: hits looked up per batch, local files): slots of their own, so that each slot keeps one writer thread,
+#: folded into the loop thread's counterparts when records are summed (:data:`_FOLDED`).
+(B_FROM_CACHE, B_BYTES_CACHE, B_CACHE_S, B_FROM_BUCKET, B_BYTES_BUCKET, B_CACHE_DROPPED) = range(
+    _HIST0 + _BUCKETS, _HIST0 + _BUCKETS + 6
+)
+_FOLDED = (
+    (B_FROM_CACHE, FROM_CACHE), (B_BYTES_CACHE, BYTES_CACHE), (B_CACHE_S, CACHE_S),
+    (B_FROM_BUCKET, FROM_BUCKET), (B_BYTES_BUCKET, BYTES_BUCKET), (B_CACHE_DROPPED, CACHE_DROPPED),
+)  # fmt: skip
+SIZE = _HIST0 + _BUCKETS + 6  # slots (8 bytes each); slot 1 holds SIZE, a layout check
 
 
 class Slots(Protocol):
@@ -328,12 +338,15 @@ class LoaderStats:
         """Build a snapshot from a record sum (:meth:`Records.total`, or a difference of two; then
         ``now`` is the latest sum, whose gauges are the current ones)."""
         gauges = t if now is None else now
+        t = t.copy()
+        for batch_slot, slot in _FOLDED:
+            t[slot] += t[batch_slot]
         answered = t[GETS] + t[THROTTLED]
         served = int(t[SERVED])
         reads = t[FROM_CACHE] + t[FROM_BUCKET]
         per = 1.0 / served if served else 0.0
         retries = [int(t[i]) for i in (R_THROTTLE, R_SERVER, R_TIMEOUT, R_CONNECTION, R_SHORT_READ, R_OTHER)]
-        hist = t[_HIST0:]
+        hist = t[_HIST0 : _HIST0 + _BUCKETS]
         return cls(
             samples=served,
             samples_from_cache=int(t[FROM_CACHE]),

@@ -28,6 +28,8 @@ from .._url import BlobURL
 from . import local
 from .base import Entry, Lister, Reader, ReadResult, StoreInfo, listed_size
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
+from .local import network_mount
+from .local import read_file as read_local_file
 from .options import options_token, redact
 
 __all__ = [
@@ -42,7 +44,9 @@ __all__ = [
     "listed_size",
     "lister_for",
     "listing_scope",
+    "network_mount",
     "options_token",
+    "read_local_file",
     "reader_for",
     "redact",
     "resolve_storage_options",

@@ -84,7 +84,7 @@ def _loader(ds: FolderDataset, across: bool, **kw: Any) -> Any:
 @pytest.mark.timeout(180)
 def test_keyed_crops_built_ahead_equal_those_made_on_demand(jpegs: Path) -> None:
     def run(across: bool) -> tuple[list[Any], list[int]]:
-        ds = FolderDataset(jpegs, transform=RandomResizedCrop(16))
+        ds = FolderDataset(jpegs, transform=RandomResizedCrop(16), lookahead=16)
         gen = torch.Generator().manual_seed(3)
         return _epochs(_loader(ds, across, shuffle=True, generator=gen), 3)
 
@@ -98,7 +98,7 @@ def test_keyed_crops_built_ahead_equal_those_made_on_demand(jpegs: Path) -> None
 @pytest.mark.timeout(180)
 def test_global_generators_draw_as_if_nothing_was_built_ahead(folder: Path) -> None:
     def run(across: bool) -> tuple[list[Any], list[int]]:
-        ds = FolderDataset(folder, loader=_sum_loader, transform=_global_draws)
+        ds = FolderDataset(folder, loader=_sum_loader, transform=_global_draws, lookahead=16)
         return _epochs(_loader(ds, across, shuffle=True, generator=torch.Generator().manual_seed(5)), 3)
 
     built_run, built = run(True)
@@ -113,7 +113,7 @@ def test_a_wrong_guess_drops_the_built_batch_and_its_draws(folder: Path) -> None
     from the global generators are put back, so every epoch equals the run that built nothing."""
 
     def run(across: bool) -> tuple[list[Any], list[int]]:
-        ds = FolderDataset(folder, loader=_sum_loader, transform=_global_draws)
+        ds = FolderDataset(folder, loader=_sum_loader, transform=_global_draws, lookahead=16)
         sampler = DistributedSampler(ds, num_replicas=1, rank=0, seed=3)
         return _epochs(_loader(ds, across, sampler=sampler), [0, 1, 5, 6], sampler)
 
@@ -133,7 +133,7 @@ def test_a_bad_sample_in_a_built_batch_is_reported_when_served(folder: Path) -> 
             raise ValueError("not a sample")
         return int(np.frombuffer(data, np.uint8).sum())
 
-    ds = FolderDataset(folder, loader=strict_loader, on_error="skip")
+    ds = FolderDataset(folder, loader=strict_loader, on_error="skip", lookahead=16)
     bad_url = ds._manifest.url(0)
     assert bad_url.endswith("/c0/00-bad.png")
     out, built = _epochs(_loader(ds, True), 3)  # in order: every epoch the same batches
@@ -183,7 +183,7 @@ def test_new_workers_find_their_first_batches_fetched_for_them(folder: Path) -> 
     epoch's first two batches of each worker near the epoch's end; the forked workers stage them."""
 
     def run(hand_over: bool) -> tuple[list[Any], list[int]]:
-        ds = FolderDataset(folder, loader=_sum_loader)
+        ds = FolderDataset(folder, loader=_sum_loader, lookahead=16)
         loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="fork",
                                generator=torch.Generator().manual_seed(9))  # fmt: skip
         if not hand_over:
@@ -213,7 +213,7 @@ def test_nothing_is_handed_over_to_spawned_workers_or_with_a_cache(
     for method in ("forkserver", "fork"):
         cache = BlobCache(tmp_path_factory.mktemp("cache")) if method == "fork" else None
         kw = {"multiprocessing_context": method}
-        ds = FolderDataset(folder, loader=_sum_loader, cache=cache)
+        ds = FolderDataset(folder, loader=_sum_loader, cache=cache, lookahead=16)
         loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2, persistent_workers=False,
                                generator=torch.Generator().manual_seed(9), **kw)  # fmt: skip
         _staged_per_epoch(loader, 3)

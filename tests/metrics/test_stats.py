@@ -85,7 +85,7 @@ def test_objects_the_cache_writer_could_not_take_are_counted(
 
     # A writer with room for one queued object and a long linger: a batch of 8 offers leaves 7 dropped.
     writer = functools.partial(CacheWriter, max_bytes=1, linger=30.0)
-    monkeypatch.setattr("blobdata._dataset.base.CacheWriter", writer)
+    monkeypatch.setattr("blobdata._dataset.reads.CacheWriter", writer)
     for i in range(16):
         (tmp_path / "d" / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
         (tmp_path / "d" / f"c{i % 2}" / f"{i:03d}.png").write_bytes(_obj(i))

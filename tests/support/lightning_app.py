@@ -15,6 +15,7 @@ the same dataset and sampler in torchdata's ``StatefulDataLoader`` instead, to c
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -32,6 +33,9 @@ assert _spec is not None and _spec.loader is not None
 example = importlib.util.module_from_spec(_spec)
 sys.modules["lightning_datamodule"] = example  # importable by name: spawned workers unpickle from it
 _spec.loader.exec_module(example)
+# The app reads a local folder, which has no look-ahead unless asked for (a batch reads local files
+# directly); the tests check that the loaders Lightning rebuilds still fetch ahead, so ask for one.
+example.FolderDataset = functools.partial(example.FolderDataset, lookahead=16)
 
 
 def ids_of(x: torch.Tensor) -> list[int]:

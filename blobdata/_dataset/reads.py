@@ -1,0 +1,184 @@
+"""A batch's bytes by the shortest way: what the look-ahead read ahead from the node cache, local files
+and cache hits read in the thread that serves the batch (one index query per batch, no event loop, no
+task per sample), and only the rest fetched on the process's loop.
+
+The thread serving batches counts what it read itself, once per batch, in slots of its own
+(:data:`blobdata._metrics.stats.B_FROM_CACHE` ...): each counter keeps one writer thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .. import _process
+from .._cache import BlobCache, CacheWriter
+from .._errors import BlobdataError
+from .._fetch import IN_FLIGHT, FetchEngine, LookAhead
+from .._loop import submit
+from .._metrics import stats as _stats
+from .._stores import read_local_file, resolve_storage_options
+from .ahead import BuiltAhead
+
+if TYPE_CHECKING:
+    from .base import BlobDatasetBase
+
+__all__ = ["PENDING", "Objects", "ProcessState", "read_batch"]
+
+#: How long a batch waits for the look-ahead to move past the batch before it (it reads the cache for
+#: what comes next): a loop that is this late is stuck, and the batch reads what it needs itself.
+_ADVANCE_WAIT_S = 10.0
+
+#: A sample the loop must fetch (staged there, or neither local nor in the cache).
+PENDING: Any = object()
+
+
+class Objects(NamedTuple):
+    """The objects a batch of samples reads, in order: sample ``k`` reads ``offsets[k]:offsets[k+1]``
+    (one object each when ``offsets`` is None); ``sizes`` -1 and ``ids`` "" where the listing did not
+    say; ``rows`` the dataset's own numbering of them (its error messages use it)."""
+
+    rows: list[int]
+    offsets: list[int] | None
+    urls: list[str]
+    sizes: list[int]
+    ids: list[str]
+
+
+class ProcessState:
+    """Per-process handles: fetch engine, cache, staging area. Never pickled."""
+
+    def __init__(self, ds: BlobDatasetBase) -> None:
+        self.pid = _process.pid()
+        self.engine = FetchEngine(
+            ds.fetch_options,
+            ds._protocol,
+            resolve_storage_options(ds._protocol, ds._storage_options),
+            root=ds._url,
+        )
+        # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
+        self.cache: BlobCache | None = ds.cache
+        self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
+        self.lookahead: LookAhead | None = None
+        self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
+        self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
+        self.advancing: threading.Event | None = None  # set once the look-ahead moved past the last batch
+        #: The last batch read here and its objects' URLs, which making its samples needs again.
+        self.urls: tuple[list[int], list[str]] | None = None
+        # Connections belong to this process's loop: close them there when this state goes away
+        # (the engine closes them itself at interpreter exit).
+        weakref.finalize(self, _close_engine, self.engine, self.pid)
+
+
+def _count_stored(n: int) -> None:
+    _stats.rec()[_stats.CACHE_STORED] += n
+
+
+def _close_engine(engine: FetchEngine, pid: int) -> None:
+    if _process.pid() == pid:
+        with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
+            submit(engine.aclose())
+
+
+def read_batch(ds: BlobDatasetBase, proc: ProcessState, idx: list[int]) -> list[Any]:
+    """Each sample's data (or the error met reading it) where it could be had without the loop; else
+    :data:`PENDING`."""
+    n = len(idx)
+    out: list[Any] = [PENDING] * n
+    staging = proc.lookahead
+    if staging is not None:
+        advancing, proc.advancing = proc.advancing, None
+        if advancing is not None:  # what it stages is taken from it, not read here too
+            advancing.wait(_ADVANCE_WAIT_S)
+        for k, fetching in enumerate(staging.stager.take_ready(idx)):
+            if fetching:
+                out[k] = IN_FLIGHT
+    local = ds._local_root is not None
+    if proc.cache is None and not local:
+        return [PENDING if d is IN_FLIGHT else d for d in out]
+    rest = [k for k in range(n) if out[k] is PENDING]
+    if rest:
+        _read_direct(ds, proc, idx, rest, out, local)
+    return [PENDING if d is IN_FLIGHT else d for d in out]
+
+
+def _read_direct(
+    ds: BlobDatasetBase, proc: ProcessState, idx: list[int], rest: list[int], out: list[Any], local: bool
+) -> None:
+    """Fill ``out[k]`` for ``k`` in ``rest`` from the cache (one lookup) and, for a local folder, by
+    reading the files."""
+    obj = ds._objects(idx if len(rest) == len(idx) else [idx[k] for k in rest])
+    proc.urls = (idx, obj.urls) if len(rest) == len(idx) else None
+    m = len(obj.urls)
+    bodies: list[Any] = [None] * m
+    v = _stats.rec()
+    cache = proc.cache
+    if cache is not None:
+        known = [j for j in range(m) if obj.ids[j]]
+        if known:
+            t = time.perf_counter()
+            got = cache.get_many([(obj.urls[j], obj.ids[j]) for j in known])
+            v[_stats.B_CACHE_S] += time.perf_counter() - t
+            hits = nbytes = 0
+            for j, data in zip(known, got, strict=True):
+                if data is not None:
+                    bodies[j] = data
+                    hits += 1
+                    nbytes += len(data)
+            v[_stats.B_FROM_CACHE] += hits
+            v[_stats.B_BYTES_CACHE] += nbytes
+    if local:
+        _read_files(ds, proc, obj, bodies)
+    offsets = obj.offsets
+    for pos, k in enumerate(rest):
+        if offsets is None:
+            data = bodies[pos]
+            if data is not None:
+                out[k] = data
+            continue
+        members = bodies[offsets[pos] : offsets[pos + 1]]
+        if any(b is None for b in members):
+            continue
+        failed = next((b for b in members if isinstance(b, BaseException)), None)
+        out[k] = failed if failed is not None else members
+
+
+def _read_files(ds: BlobDatasetBase, proc: ProcessState, obj: Objects, bodies: list[Any]) -> None:
+    """Read what the cache did not have of a local folder's objects, in this thread (checked as
+    :func:`blobdata._stores.read_local_file` says); offered to the cache where there is one."""
+    writer = proc.writer
+    reads = nbytes = dropped = 0
+    for j, url in enumerate(obj.urls):
+        if bodies[j] is not None:
+            continue
+        ident = obj.ids[j]
+        if writer is not None and not ident:
+            continue  # its identity is learned on the loop's path, where it is cached under it
+        path = _path_of(url)
+        size = obj.sizes[j]
+        try:
+            data = read_local_file(path, size if size >= 0 else None, ident or None, url)
+        except BlobdataError as exc:
+            bodies[j] = ds._object_error(obj.rows[j], exc)
+            continue
+        bodies[j] = data
+        reads += 1
+        nbytes += len(data)
+        if writer is not None and not writer.offer(url, ident, data):
+            dropped += 1
+    v = _stats.rec()
+    v[_stats.B_FROM_BUCKET] += reads
+    v[_stats.B_BYTES_BUCKET] += nbytes
+    if dropped:
+        v[_stats.B_CACHE_DROPPED] += dropped
+
+
+def _path_of(url: str) -> str:
+    """The local path of a ``file://`` URL, as the fetch engine maps it."""
+    rest = url[7:] if url.startswith("file://") else url
+    return rest if rest.startswith("/") else "/" + rest
+
