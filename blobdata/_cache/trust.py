@@ -10,7 +10,12 @@ without following links:
   nothing can have been planted in it yet). The path given may be a link (a cache on a scratch
   disk), only one owned by the current user or root;
 * ``cache.db``, ``cache.db-wal`` and ``cache.db-shm``, where they exist, are regular files (not
-  links, not hard-linked elsewhere) owned by the current user and not writable by group or others.
+  links, not hard-linked elsewhere) owned by the current user and not writable by group or others;
+* every directory above it, on the path as given and on the path it resolves to, is owned by the
+  current user or root and writable by no one else, or has the sticky bit (``/tmp``): else another
+  user could rename the checked directory away after the check and put one of their own in its
+  place, whose bytes every later read would take for verified hits (the files are opened by path
+  after the check). OpenSSH checks a key file's parents the same way.
 
 Anything else raises :class:`~blobdata.CacheError` naming the path, what is wrong and what to do.
 The index itself is checked with ``lstat`` relative to a descriptor of the checked directory,
@@ -64,6 +69,7 @@ def open_private_dir(directory: str) -> None:
             f"it is a link owned by {_uid_text(link.st_uid)}, who can point it anywhere",
             "pass a cache directory of your own (or the link's target, if you trust it)",
         )
+    _check_parents(directory, euid)
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         _check_dir(directory, fd, euid)
@@ -71,6 +77,39 @@ def open_private_dir(directory: str) -> None:
             _check_index_file(os.path.join(directory, name), name, fd, euid)
     finally:
         os.close(fd)
+
+
+def _check_parents(directory: str, euid: int) -> None:
+    """Every directory above ``directory`` (as given, and as resolved) is safe from other users: owned
+    by the current user or root, and not writable by group or others unless sticky."""
+    given = os.path.abspath(directory)
+    seen: set[str] = set()
+    for path in (given, os.path.realpath(given)):
+        parent = os.path.dirname(path)
+        while parent not in seen:
+            seen.add(parent)
+            try:
+                st = os.stat(parent)  # the directory itself; a link on the way is checked resolved
+            except OSError:
+                break
+            mode = stat.S_IMODE(st.st_mode)
+            if st.st_uid not in (euid, 0):
+                raise _refuse(
+                    directory,
+                    f"its parent directory {parent} is owned by {_uid_text(st.st_uid)}, who could replace "
+                    "the cache directory with one of their own",
+                    "put the cache in a directory of your own (or one only root can write)",
+                )
+            if mode & _SHARED_WRITE and not mode & stat.S_ISVTX:
+                raise _refuse(
+                    directory,
+                    f"its parent directory {parent} is writable by group or others (mode {mode:04o}, no "
+                    "sticky bit), so another user could replace the cache directory after this check",
+                    f"put the cache elsewhere, or run: chmod o-w,g-w {parent} (or chmod +t {parent})",
+                )
+            if parent == "/":
+                break
+            parent = os.path.dirname(parent)
 
 
 def _check_dir(directory: str, fd: int, euid: int) -> None:

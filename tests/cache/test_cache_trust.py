@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import stat
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -209,3 +212,88 @@ def test_durations_of_the_cache_that_are_not_durations_are_refused(tmp_path: Pat
         with pytest.raises(ConfigError, match=name):
             BlobCache(tmp_path / "c", size_limit="10MB", **{name: grace})  # type: ignore[arg-type]
     assert not (tmp_path / "c").exists()
+
+
+# -- issue 39, row 1: the cache's parent directories ----------------------------------------------
+
+
+@pytest.fixture
+def reachable(tmp_path: Path) -> Iterator[Path]:
+    """A directory under /tmp that another user can reach (pytest's own base is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="blobdata-trust-", dir="/tmp"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _swap_in_as(uid: int, parent: Path, directory: Path, theirs: Path) -> None:
+    """As user ``uid`` (a forked child): rename ``directory`` away and put ``theirs`` in its place."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            os.rename(directory, parent / "moved")
+            os.rename(theirs, directory)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_cache_under_a_parent_others_can_write_is_refused(tmp_path: Path, reachable: Path) -> None:
+    needs_chown()
+    parent = reachable / "shared"
+    parent.mkdir()
+    directory = parent / "c"
+    warmed(directory)
+    with BlobCache(tmp_path / "evil", size_limit="10MB") as evil:  # the same keys, bytes of their choosing
+        evil.put("s3://b/small", "e1", b"EVIL" * 25)
+    for path in [tmp_path / "evil", *(tmp_path / "evil").rglob("*")]:
+        os.chown(path, OTHER_UID, OTHER_UID)
+    os.rename(tmp_path / "evil", parent / "staged")
+    os.chmod(parent, 0o777)  # no sticky bit: anyone may rename what is in it
+    with pytest.raises(CacheError) as info:
+        BlobCache(directory, size_limit="10MB")
+    text = str(info.value)
+    assert str(parent) in text and "writable by group or others" in text and "chmod" in text
+    # What the refusal prevents: another user swaps the checked directory for theirs, any time later.
+    _swap_in_as(OTHER_UID, parent, directory, parent / "staged")
+    with pytest.raises(CacheError):
+        BlobCache(directory, size_limit="10MB")
+    os.chmod(parent, 0o1777)  # sticky (as /tmp): others may no longer rename our entries
+    with pytest.raises(CacheError, match=f"uid {OTHER_UID}"):  # and the swapped-in one is theirs
+        BlobCache(directory, size_limit="10MB")
+
+
+def test_a_parent_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    needs_chown()
+    parent = tmp_path / "theirs"
+    parent.mkdir()
+    directory = parent / "c"
+    warmed(directory)
+    os.chown(parent, OTHER_UID, OTHER_UID)  # 0755, but its owner can rename anything in it
+    with pytest.raises(CacheError) as info:
+        BlobCache(directory, size_limit="10MB")
+    assert str(parent) in str(info.value) and f"uid {OTHER_UID}" in str(info.value)
+
+
+def test_a_sticky_or_private_parent_is_fine_and_a_link_is_checked_resolved(tmp_path: Path) -> None:
+    sticky = tmp_path / "scratch"
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    warmed(sticky / "c")
+    with BlobCache(sticky / "c", size_limit="10MB") as cache:
+        assert cache.get("s3://b/big", "e1") == b"x" * BIG
+    # A link of one's own to a cache whose real parent others may write: the real parent counts.
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    warmed(open_dir / "c")
+    os.chmod(open_dir, 0o777)
+    (tmp_path / "link").symlink_to(open_dir / "c")
+    with pytest.raises(CacheError, match=str(open_dir)):
+        BlobCache(tmp_path / "link", size_limit="10MB")
