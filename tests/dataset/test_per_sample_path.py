@@ -1,0 +1,112 @@
+"""The per-sample path's structure, held by counts that do not depend on the machine's speed (issue 37):
+Python function calls and system calls per sample served, in the thread that serves batches and on the
+process's event loop, for a local folder and for cache hits. Times are for
+``benchmarks/bench_overhead.py``; these budgets catch a change that adds work per sample (a call, a
+syscall, a task on the loop) whatever the box."""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from blobdata import FolderDataset
+from blobdata._loop import run
+
+N = 256
+BATCH = 64
+EPOCHS = 3
+
+#: Function calls per sample served (measured: local 33.6 and 0.1; cache hits 35.5 and 10.5), with room.
+LOCAL_CALLS, LOCAL_LOOP_CALLS = 42, 1.0
+HIT_CALLS, HIT_LOOP_CALLS = 45, 14
+
+
+def _folder(root: Path) -> Path:
+    for i in range(N):
+        d = root / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:04d}.png").write_bytes(bytes([i % 256]) * 3000)
+    return root
+
+
+def _read_len(f: Any) -> int:
+    return len(f.read())
+
+
+def _profiled(loader: Any) -> tuple[pstats.Stats, pstats.Stats, int]:
+    """Profiles of the thread serving batches and of the event loop's thread over ``EPOCHS`` epochs
+    (after one untimed), and the samples served."""
+    for _ in loader:
+        pass
+    main, loop = cProfile.Profile(), cProfile.Profile()
+
+    async def on() -> None:
+        loop.enable()
+
+    async def off() -> None:
+        loop.disable()
+
+    run(on())
+    main.enable()
+    n = 0
+    try:
+        for _ in range(EPOCHS):
+            for batch in loader:
+                n += len(batch[1])
+    finally:
+        main.disable()
+        run(off())
+    return pstats.Stats(main), pstats.Stats(loop), n
+
+
+def _calls(stats: pstats.Stats, name: str, of: str = "") -> int:
+    """Calls of the built-in ``name`` (``posix.open`` ...), or method ``name`` of ``of``, in a profile."""
+    label = f"<method {name!r} of {of!r} objects>" if of else f"<built-in method {name}>"
+    return sum(v[1] for k, v in stats.stats.items() if k[2] == label)  # type: ignore[attr-defined]
+
+
+def test_a_local_folder_costs_a_read_per_sample_and_nothing_on_the_loop(tmp_path: Path) -> None:
+    ds = FolderDataset(_folder(tmp_path / "d"), loader=_read_len)
+    loader = ds.dataloader(batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0))
+    main, loop, n = _profiled(loader)
+    assert n == EPOCHS * N
+    assert main.total_calls / n <= LOCAL_CALLS  # type: ignore[attr-defined]
+    assert loop.total_calls / n <= LOCAL_LOOP_CALLS  # type: ignore[attr-defined]
+    # One open, fstat, read and close per file, in the thread that uses the bytes.
+    for syscall in ("posix.open", "posix.fstat", "posix.read", "posix.close"):
+        assert _calls(main, syscall) == n, syscall
+    assert _calls(loop, "posix.read") == 0
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_cache_hits_cost_one_lookup_per_batch(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    """Every sample a cache hit: one index query per batch in the thread serving it, and on the loop
+    only the look-ahead's presence lookups (one per batch), no task and no file read per sample."""
+    root: Any = _folder(tmp_path / "d")
+    options: dict[str, Any] = {}
+    if where == "s3":
+        bucket = request.getfixturevalue("s3_bucket")
+        bucket.put_many({f"d/{p.relative_to(root)}": p.read_bytes() for p in root.rglob("*.png")})
+        root, options = bucket.url("d"), {"storage_options": bucket.storage_options}
+    ds = FolderDataset(root, loader=_read_len, cache=tmp_path / "cache", lookahead=1024, **options)
+    for _ in ds.dataloader(batch_size=BATCH):  # fills the cache
+        pass
+    ds.close()
+    loader = ds.dataloader(batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0))
+    main, loop, n = _profiled(loader)
+    stats = loader.stats()
+    assert n == EPOCHS * N and stats.samples_from_bucket == 0
+    assert main.total_calls / n <= HIT_CALLS  # type: ignore[attr-defined]
+    assert loop.total_calls / n <= HIT_LOOP_CALLS  # type: ignore[attr-defined]
+    batches = EPOCHS * N // BATCH
+    queries = _calls(main, "execute", of="sqlite3.Connection")
+    assert batches <= queries <= batches + 1, queries  # one lookup per batch, and the first
+    assert _calls(main, "posix.read") == _calls(loop, "posix.read") == 0  # small values: in the index
+    assert _calls(loop, "posix.pread") == _calls(main, "posix.pread") == 0
