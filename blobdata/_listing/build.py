@@ -66,7 +66,10 @@ def build_table(
     listing = shared_manifest(root, make, key="flat") if share else make()
     relkeys = [listing.relkey(j) for j in range(len(listing))]
     if metadata is None:
-        metadata = find_metadata(relkeys, METADATA_NAMES)
+        name = find_metadata(relkeys, METADATA_NAMES)
+        # The file found is the dataset's own: its URL, never a path that may also name a local file
+        # (a metadata.jsonl in the working directory).
+        metadata = None if name is None else f"{root.rstrip('/')}/{name}"
     if metadata is None:
         entries = zip(
             relkeys,
