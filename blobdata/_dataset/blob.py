@@ -24,7 +24,7 @@ import torch.utils.data
 from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
-from .._errors import BlobdataError, ConfigError, DecodeError, NotFound
+from .._errors import BlobdataError, ConfigError, DecodeError, ManifestError, NotFound
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
 from .._sampling import enter_sample, leave_sample
@@ -198,6 +198,11 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             where = t.where(j)
             if where:
                 raise NotFound(f"{url}, named in {where}, does not exist: {exc.message}", url=url) from exc
+            raise
+        except ManifestError as exc:  # what the index said of it is unusable (an ETag no header can carry)
+            where = t.where(j)
+            if where:
+                raise ManifestError(f"{where}: {exc.message}", url=url) from exc
             raise
         if not t.identity(j) and got and j not in self._learned:
             self._learned[j] = got

@@ -50,7 +50,7 @@ from .._errors import (
     TransientError,
     from_status,
 )
-from .base import ReadResult, StoreInfo
+from .base import ReadResult, StoreInfo, check_header_identity
 from .h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
 from .h1 import RangeIgnored as _H1RangeIgnored
 from .http import ProcessBound, check_content_range, grown
@@ -337,6 +337,7 @@ class S3Reader:
         else:
             bound = size if size is not None else MAX_BODY
         if expect_etag:
+            check_header_identity(expect_etag, url)
             headers["If-Match"] = f'"{expect_etag}"'
 
         def on_success(resp: Response) -> ReadResult:
