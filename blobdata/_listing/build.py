@@ -13,6 +13,7 @@ from typing import Any
 
 from .._config import FetchOptions
 from .._errors import EmptyDatasetError
+from .._url import printable
 from .distributed import shared_manifest, shared_table
 from .flat import load_or_list_flat
 from .manifest import Manifest
@@ -80,7 +81,7 @@ def build_table(
         grouped, left = group_listing(root, entries)
         if left:
             logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
-                        len(left), root, ", ".join(left[:3]))  # fmt: skip
+                        len(left), root, printable(", ".join(left[:3])))  # fmt: skip
         return _table(root, grouped, root, "", listing)
     found = metadata
 

@@ -37,7 +37,7 @@ from .._stores import (
     listing_scope,
     resolve_storage_options,
 )
-from .._url import BlobURL, check_relkeys, parse_url
+from .._url import BlobURL, check_relkeys, parse_url, printable
 from .filters import UNIDENTIFIED, filter_identity
 from .manifest import Manifest, load_own, manifest_path
 
@@ -256,7 +256,7 @@ def list_folder(
     if skipped:
         logger.warning(
             "%d object(s) under %s lie in a folder with an empty name and belong to no class; skipped, "
-            "e.g. %s", len(skipped), root, ", ".join(skipped[:3]),
+            "e.g. %s", len(skipped), root, printable(", ".join(skipped[:3])),
         )  # fmt: skip
     entries = ((key, size, ident, t) for t, objs in enumerate(per_class) for key, size, ident in objs)
     manifest = Manifest.from_entries(

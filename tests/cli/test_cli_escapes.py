@@ -94,3 +94,18 @@ def test_the_one_line_error_escapes_the_key(tmp_path: Path, capsys: pytest.Captu
     err = capsys.readouterr().err
     assert "\x1b" not in err and "bad\\x1b[2J\\nforged 0 failed.png" in err
     assert [line for line in err.splitlines() if line] == [err.strip()]
+
+
+def test_the_library_log_line_of_keys_without_extension_escapes_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from blobdata import BlobDataset
+
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "a.txt").write_bytes(b"a")
+    (root / "bad\x1b[2J\nforged").write_bytes(b"no extension: no sample")
+    with caplog.at_level(logging.INFO, logger="blobdata"):
+        BlobDataset(str(root)).close()
+    [line] = [r.getMessage() for r in caplog.records if "have no extension" in r.getMessage()]
+    assert "bad\\x1b[2J\\nforged" in line and "\x1b" not in line and "\n" not in line
