@@ -337,7 +337,8 @@ class S3Reader:
         else:
             bound = size if size is not None else MAX_BODY
         if expect_etag:
-            check_header_identity(expect_etag, url)
+            if not (expect_etag.isascii() and expect_etag.isprintable()):  # the common case costs two C calls
+                check_header_identity(expect_etag, url)
             headers["If-Match"] = f'"{expect_etag}"'
 
         def on_success(resp: Response) -> ReadResult:
