@@ -127,7 +127,7 @@ def _warm_folder(
     manifest = _manifest_for(args, url, resolved)
     memory = _from_memory(manifest, args, started)
     if memory is not None:
-        print(f"{url}: {memory}", flush=True)
+        print(f"{printable(url)}: {memory}", flush=True)
     indices = _node_share(args, len(manifest))
     log.debug("listing of %s: %d objects in %.2fs", url, len(manifest), time.monotonic() - t0)
     evicted = _make_room(args, manifest, indices, size) if args.cache_policy == "admit" else None

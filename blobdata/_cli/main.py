@@ -36,6 +36,7 @@ import traceback
 from collections.abc import Callable
 
 from .._errors import BlobdataError, ConfigError, ManifestError
+from .._url import printable
 from . import bench as _bench
 from .commands import (
     EscapingFormatter,
@@ -289,7 +290,8 @@ def _report(exc: BaseException, code: int, debug: bool) -> int:
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     message = str(exc) if isinstance(exc, BlobdataError) else f"{type(exc).__name__}: {exc}"
-    print(f"blobdata: error: {message}", file=sys.stderr, flush=True)
+    # A message names URLs and keys from a bucket or an index: escaped, it stays one line of text.
+    print(f"blobdata: error: {printable(message)}", file=sys.stderr, flush=True)
     return code
 
 

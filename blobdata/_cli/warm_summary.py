@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, TextIO
 
 from .._errors import CacheError
+from .._url import printable
 
 __all__ = [
     "EXIT_FAILED",
@@ -74,7 +75,7 @@ def used_bytes(info: dict[str, Any]) -> int:
 def print_summary(s: WarmSummary, *, rank: int, world_size: int, cache_dir: str, out: TextIO) -> None:
     if s.interrupted:  # Ctrl-C: one line; what was cut short is not a failure
         print(
-            f"interrupted {s.url}: fetched {s.fetched} objects ({human_size(s.fetched_bytes)}) in "
+            f"interrupted {printable(s.url)}: fetched {s.fetched} objects ({human_size(s.fetched_bytes)}) in "
             f"{s.seconds:.1f}s, {s.skipped} were cached already; run it again to fetch the rest",
             file=out,
             flush=True,
@@ -83,7 +84,7 @@ def print_summary(s: WarmSummary, *, rank: int, world_size: int, cache_dir: str,
     head = "interrupted" if s.interrupted else ("stopped" if s.aborted else "warmed")
     shard = f"rank {rank} of {world_size}: " if world_size > 1 else ""
     lines = [
-        f"{head} {s.url} ({shard}{s.shard_objects} objects, {human_size(s.shard_bytes)})",
+        f"{head} {printable(s.url)} ({shard}{s.shard_objects} objects, {human_size(s.shard_bytes)})",
         f"  fetched  {s.fetched} objects, {human_size(s.fetched_bytes)} in {s.seconds:.1f}s"
         f" = {s.mb_per_s:.1f} MB/s",
         f"  skipped  {s.skipped} objects already cached ({human_size(s.skipped_bytes)})",
@@ -91,8 +92,8 @@ def print_summary(s: WarmSummary, *, rank: int, world_size: int, cache_dir: str,
     ]
     if s.throttled:
         lines.insert(2, f"  throttled {s.throttled} requests: the store limits its request rate (retried)")
-    for url, message in s.failures:
-        lines.append(f"    {url}: {message}")
+    for url, message in s.failures:  # keys come from the bucket or an index: escaped for the terminal
+        lines.append(f"    {printable(url)}: {printable(message)}")
     if s.failed > len(s.failures):
         lines.append(f"    ... and {s.failed - len(s.failures)} more")
     if s.cache_full:

@@ -25,7 +25,7 @@ import torch.utils.data
 from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
-from .._errors import BlobdataError, ConfigError, DecodeError, NotFound
+from .._errors import BlobdataError, ConfigError, DecodeError, ManifestError, NotFound
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
 from .._sampling import enter_batch, leave_sample
@@ -205,6 +205,11 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             if wrapped is exc:
                 raise
             raise wrapped from exc
+        except ManifestError as exc:  # what the index said of it is unusable (an ETag no header can carry)
+            wrapped = self._object_error(j, exc)
+            if wrapped is exc:
+                raise
+            raise wrapped from exc
         if not t.identity(j) and got and j not in self._learned:
             self._learned[j] = got
             proc = self._process()
@@ -233,10 +238,15 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         return Objects(rows, starts, urls, t.sizes[rows].tolist(), ids)
 
     def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError:
-        where = self._table.where(row) if isinstance(exc, NotFound) else ""
+        """``exc`` naming the index or metadata file and line that named the object, where one did."""
+        where = self._table.where(row) if isinstance(exc, (NotFound, ManifestError)) else ""
         if not where:
             return exc
-        wrapped = NotFound(f"{exc.url}, named in {where}, does not exist: {exc.message}", url=exc.url)
+        wrapped: BlobdataError
+        if isinstance(exc, NotFound):
+            wrapped = NotFound(f"{exc.url}, named in {where}, does not exist: {exc.message}", url=exc.url)
+        else:
+            wrapped = ManifestError(f"{where}: {exc.message}", url=exc.url)
         wrapped.__cause__ = exc
         return wrapped
 

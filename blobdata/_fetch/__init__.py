@@ -10,6 +10,7 @@ module             its one job
 ``plans``          each epoch's batches (and the next's, where known) published to the workers
 ``lookahead``      the planning batch sampler; bytes fetched before they are asked
 ``packed``         an epoch's batches as numpy arrays; the next epoch's, predicted in a thread
+``ranged``         one object as a seekable file read in ranges (a large table, never held whole)
 =================  ==========================================================================
 
 The one retry budget (:mod:`blobdata._retry`) is plumbing at the top: stores and listings use it too.
@@ -23,6 +24,7 @@ from .engine import FetchEngine, endpoint_of
 from .lookahead import IN_FLIGHT, HandOver, LookAhead, PlanningBatchSampler
 from .packed import PackedBatches, Predicted
 from .plans import PlanChannel, sweep_dead_channels
+from .ranged import RangedFile
 from .throttle import Limit, Table, key_id, node_table
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "PlanChannel",
     "PlanningBatchSampler",
     "Predicted",
+    "RangedFile",
     "Table",
     "endpoint_of",
     "gate_for",

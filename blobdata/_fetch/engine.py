@@ -284,6 +284,15 @@ class FetchEngine:
         self._counts["objects"] += 1
         return body, ident
 
+    async def fetch_range(self, url: str, start: int, end: int, *, identity: str | None = None) -> ReadResult:
+        """Bytes ``[start, end)`` of one object (fewer only at its end) in one request under the retry
+        budget, pinned to ``identity`` when given; with the store's identity and the object's total size
+        (None if the store did not say). A store that answers with the whole object raises
+        :class:`~blobdata._errors.RangeIgnored`. For what reads an object piece by piece
+        (:class:`~blobdata._fetch.ranged.RangedFile`), never the per-sample path."""
+        bucket, key = self._split(url)
+        return await self._request(self._get_state(), url, bucket, key, start, end, identity, None)
+
     async def _fetch_parts(
         self, st: _State, url: str, bucket: str, key: str, size: int, identity: str | None
     ) -> tuple[bytes, str]:

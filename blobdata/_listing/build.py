@@ -13,6 +13,7 @@ from typing import Any
 
 from .._config import FetchOptions
 from .._errors import EmptyDatasetError
+from .._url import printable
 from .distributed import shared_manifest, shared_table
 from .flat import load_or_list_flat
 from .manifest import Manifest
@@ -66,7 +67,10 @@ def build_table(
     listing = shared_manifest(root, make, key="flat") if share else make()
     relkeys = [listing.relkey(j) for j in range(len(listing))]
     if metadata is None:
-        metadata = find_metadata(relkeys, METADATA_NAMES)
+        name = find_metadata(relkeys, METADATA_NAMES)
+        # The file found is the dataset's own: its URL, never a path that may also name a local file
+        # (a metadata.jsonl in the working directory).
+        metadata = None if name is None else f"{root.rstrip('/')}/{name}"
     if metadata is None:
         entries = zip(
             relkeys,
@@ -77,7 +81,7 @@ def build_table(
         grouped, left = group_listing(root, entries)
         if left:
             logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
-                        len(left), root, ", ".join(left[:3]))  # fmt: skip
+                        len(left), root, printable(", ".join(left[:3])))  # fmt: skip
         return _table(root, grouped, root, "", listing)
     found = metadata
 

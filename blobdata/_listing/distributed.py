@@ -39,7 +39,7 @@ from .._config import cache_home, env, parse_duration
 from .._errors import BlobdataError, ConfigError, ManifestError
 from .._node import check_shared_dir, is_own, read_own, write_own
 from .._url import check_relkeys
-from .manifest import Manifest
+from .manifest import Manifest, load_own
 from .mapping import Buffer, publish, write_atomic
 from .samples import SampleTable
 from .tablefile import load_table, table_from_bytes, table_to_bytes
@@ -118,8 +118,14 @@ def _manifest_from(data: Buffer, root: str, source: str) -> Manifest:
     return Manifest.from_bytes(data, source=source)
 
 
+#: What chose the directory of the hand-off files (named in messages about it).
+_SHARED = "BLOBDATA_SHARED_DIR"
+#: What to do with a hand-off file that is not this user's own.
+_NOT_YOURS = "remove it, it is not your ranks'"
+
+
 def _manifest_load(path: Path, root: str) -> Manifest:
-    return Manifest.load(path, expect_root=root)
+    return load_own(path, setting=_SHARED, expect_root=root)
 
 
 _MANIFESTS: _Codec[Manifest] = _Codec("list", "listing", Manifest.to_bytes, _manifest_from, _manifest_load)
@@ -127,7 +133,7 @@ _TABLES: _Codec[SampleTable] = _Codec(
     "read the samples (index or metadata file) of", "samples",
     lambda t: table_to_bytes(t, source="rank 0"),
     lambda data, root, source: table_from_bytes(data, source=source, expect_root=root),
-    lambda path, root: load_table(str(path), expect_root=root),
+    lambda path, root: load_table(str(path), expect_root=root, own=_SHARED),
 )  # fmt: skip
 
 
@@ -202,9 +208,9 @@ def _mapped(root: str, key: str, info: DistInfo, data: bytes, codec: _Codec[T]) 
     crc = int.from_bytes(data[20:24], "little")
     path = shared_file(root, f"{key}|{len(data)}|{crc}", info.nnodes)
     try:
-        check_shared_dir(str(path.parent), setting="BLOBDATA_SHARED_DIR")
+        check_shared_dir(str(path.parent), setting=_SHARED)
         publish(path, data)
-        if not is_own(str(path)):
+        if not is_own(str(path), setting=_SHARED, todo=_NOT_YOURS):
             raise ManifestError(f"{path} was not written", url=str(path))
         _forget_old(path.parent)
         return codec.load(path, root)
@@ -233,7 +239,7 @@ def _via_file(root: str, make: Callable[[], T], info: DistInfo, key: str, codec:
     path = shared_file(root, key, info.nnodes)
     failed = path.with_suffix(".error")
     # Only this user's own files are trusted, in a directory nobody else can replace them in (_node.files).
-    check_shared_dir(str(path.parent), setting="BLOBDATA_SHARED_DIR")
+    check_shared_dir(str(path.parent), setting=_SHARED)
     if info.rank == 0:
         failed.unlink(missing_ok=True)  # an earlier run's
         try:
@@ -249,13 +255,13 @@ def _via_file(root: str, make: Callable[[], T], info: DistInfo, key: str, codec:
     timeout = parse_duration(env("BLOBDATA_SHARED_TIMEOUT") or 600, name="BLOBDATA_SHARED_TIMEOUT")
     deadline = time.monotonic() + timeout
     while True:
-        check_shared_dir(str(path.parent), setting="BLOBDATA_SHARED_DIR")  # it may appear meanwhile
-        text = read_own(str(failed), limit=_ERROR_BYTES)
+        check_shared_dir(str(path.parent), setting=_SHARED)  # it may appear meanwhile
+        text = read_own(str(failed), setting=_SHARED, todo=_NOT_YOURS, limit=_ERROR_BYTES)
         if text is not None:
             raise ManifestError(
                 f"rank 0 could not {codec.what} {root}: {text.decode('utf-8', 'replace')}", url=root
             )
-        if is_own(str(path)):  # mapped, not read: the node's ranks share its pages
+        if is_own(str(path), setting=_SHARED, todo=_NOT_YOURS):  # mapped, not read: the ranks share its pages
             return _received(codec.load(path, root), root, str(path))
         if time.monotonic() > deadline:
             raise ManifestError(

@@ -23,7 +23,7 @@ from .._loop import run
 from .._retry import final_error
 from .._stores import credential_hint, lister_for, listing_scope, resolve_storage_options
 from .._url import BlobURL, parse_url
-from .folders import load_remembered
+from .folders import load_remembered, remember_listing
 from .manifest import Manifest, manifest_path
 
 __all__ = ["FLAT_PARAMS", "list_flat", "load_or_list_flat"]
@@ -116,9 +116,4 @@ def load_or_list_flat(
     if loaded is not None:
         return loaded
     listed = list_flat(url, storage_options=opts, fetch_options=fetch_options)
-    if remember:
-        try:
-            listed.save(path)
-        except OSError as exc:
-            logger.warning("could not remember the listing of %s in %s: %s", root, path, exc)
-    return listed
+    return remember_listing(listed, path) if remember else listed

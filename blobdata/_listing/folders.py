@@ -26,6 +26,7 @@ from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_duration
 from .._errors import BlobdataError, ConfigError, EmptyDatasetError, ManifestError, NotFound
 from .._loop import run
 from .._metrics import progress as _progress
+from .._node import check_shared_dir
 from .._retry import final_error
 from .._stores import (
     Entry,
@@ -36,11 +37,14 @@ from .._stores import (
     listing_scope,
     resolve_storage_options,
 )
-from .._url import BlobURL, check_relkeys, parse_url
+from .._url import BlobURL, check_relkeys, parse_url, printable
 from .filters import UNIDENTIFIED, filter_identity
-from .manifest import Manifest, manifest_path
+from .manifest import Manifest, load_own, manifest_path
 
-__all__ = ["IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list"]
+__all__ = [
+    "IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list", "load_remembered",
+    "remember_listing",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +256,7 @@ def list_folder(
     if skipped:
         logger.warning(
             "%d object(s) under %s lie in a folder with an empty name and belong to no class; skipped, "
-            "e.g. %s", len(skipped), root, ", ".join(skipped[:3]),
+            "e.g. %s", len(skipped), root, printable(", ".join(skipped[:3])),
         )  # fmt: skip
     entries = ((key, size, ident, t) for t, objs in enumerate(per_class) for key, size, ident in objs)
     manifest = Manifest.from_entries(
@@ -295,16 +299,25 @@ def _listing_options(fetch_options: FetchOptions | None, concurrency: int | None
     return options
 
 
+#: What chose the directory of remembered listings (named in messages about it).
+_HOME = "BLOBDATA_CACHE_HOME"
+
+
 def load_remembered(path: Path, root: str, max_age: float | str | None) -> Manifest | None:
     """The listing of ``root`` remembered at ``path`` if there is one, usable and younger than
     ``max_age`` (None: any age); else None, and the caller lists again (an unusable file is said at
-    WARNING, one too old at INFO)."""
-    if not path.exists():
-        return None
+    WARNING, one too old at INFO). The cache home is a place other users of the node may reach: a
+    file that is not this user's own (another user's, a link, writable by others, in a directory
+    others can write) is never mapped, only said at WARNING (:func:`~blobdata._node.open_own`)."""
     limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
     try:
-        loaded = Manifest.load(path, expect_root=root)
-    except (ManifestError, NotFound) as exc:
+        loaded = load_own(path, setting=_HOME, expect_root=root)
+    except NotFound:
+        return None
+    except ConfigError as exc:
+        logger.warning("remembered listing of %s not used: %s; listing %s again", root, exc, root)
+        return None
+    except ManifestError as exc:
         logger.warning("remembered listing %s is unusable (%s); listing %s again", path, exc, root)
         return None
     age = max(0.0, time.time() - loaded.listed_at)
@@ -316,6 +329,19 @@ def load_remembered(path: Path, root: str, max_age: float | str | None) -> Manif
                 "refresh=True (blobdata ls --refresh) to list the bucket again",
                 root, _human_age(age), len(loaded))  # fmt: skip
     return loaded
+
+
+def remember_listing(listed: Manifest, path: Path) -> Manifest:
+    """``listed`` saved at ``path`` and mapped from there (the node's other processes share its pages);
+    ``listed`` itself, with a WARNING, where it cannot be: a directory other users could write (or
+    that is not this user's) is never written to."""
+    try:
+        check_shared_dir(str(path.parent), setting=_HOME)
+        listed.save(path)
+        return load_own(path, setting=_HOME, expect_root=listed.root)
+    except (OSError, ConfigError, ManifestError, NotFound) as exc:
+        logger.warning("could not remember the listing of %s in %s: %s", listed.root, path, exc)
+        return listed
 
 
 def load_or_list(
@@ -391,10 +417,4 @@ def load_or_list(
         progress=progress,
         local_root=local_root,
     )
-    if remember:
-        try:
-            listed.save(path)
-            return Manifest.load(path, expect_root=root)  # mapped: shared with the node's other processes
-        except (OSError, ManifestError, NotFound) as exc:
-            logger.warning("could not remember the listing of %s in %s: %s", root, path, exc)
-    return listed
+    return remember_listing(listed, path) if remember else listed

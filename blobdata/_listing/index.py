@@ -15,14 +15,15 @@ import itertools
 import json
 import re
 import urllib.parse
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 from .._errors import ConfigError
 from .._stores import listed_size
 from .._url import parse_url
 from .samples import Member, relative_key, split_key
-from .tables import format_of, place, read_bytes, rows
+from .tables import format_of, open_bytes, place, read_bytes, rows
 
 __all__ = ["read_index"]
 
@@ -170,30 +171,32 @@ def _inventory(
     schema = [c.strip() for c in str(manifest.get("fileSchema", "")).split(",")]
     for f in files:
         location = f"s3://{bucket}/{f}"
-        data = read_bytes(location, storage_options, what="S3 Inventory file")
-        if fmt == "csv":
-            got = _inventory_csv(location, data, schema)
-        else:
-            got = (
-                {_snake(k): v for k, v in r.items()}
-                for _, r in rows(location, data, "parquet", what="inventory")
-            )
-        for row in got:
-            key = row.get("key")
-            if row.get("bucket") != url.bucket or not isinstance(key, str) or not key.startswith(want):
-                continue
-            if key.endswith("/"):
-                continue  # a folder marker
-            count += 1
-            yield (
-                count,
-                {
-                    "key": key[len(want) :],
-                    "size": row.get("size"),
-                    "etag": row.get("e_tag") or row.get("etag"),
-                    "version_id": row.get("version_id"),
-                },
-            )
+        # Streamed: a range of the report at a time, decompressed and parsed as it comes (_inventory_csv),
+        # or a row group at a time (Parquet); never the whole report in memory.
+        with open_bytes(location, storage_options, what="S3 Inventory file") as fh:
+            if fmt == "csv":
+                got = _inventory_csv(location, fh, schema)
+            else:
+                got = (
+                    {_snake(k): v for k, v in r.items()}
+                    for _, r in rows(location, fh, "parquet", what="inventory")
+                )
+            for row in got:
+                key = row.get("key")
+                if row.get("bucket") != url.bucket or not isinstance(key, str) or not key.startswith(want):
+                    continue
+                if key.endswith("/"):
+                    continue  # a folder marker
+                count += 1
+                yield (
+                    count,
+                    {
+                        "key": key[len(want) :],
+                        "size": row.get("size"),
+                        "etag": row.get("e_tag") or row.get("etag"),
+                        "version_id": row.get("version_id"),
+                    },
+                )
 
 
 def _snake(name: str) -> str:
@@ -202,22 +205,58 @@ def _snake(name: str) -> str:
     return out
 
 
-def _inventory_csv(location: str, data: bytes, schema: list[str]) -> Iterator[dict[str, Any]]:
-    import csv
-    import io
+#: The longest line of an inventory report (a key is at most 1,024 bytes, URL-encoded three times that).
+MAX_LINE = 256 * 1024
 
-    if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
+
+def _lines(location: str, stream: BinaryIO) -> Iterator[str]:
+    """The lines of ``stream`` (UTF-8), each at most :data:`MAX_LINE` bytes, read as they come."""
+    n = 0
+    while True:
+        line = stream.readline(MAX_LINE + 1)
+        if not line:
+            return
+        n += 1
+        if len(line) > MAX_LINE:
+            raise ConfigError(
+                f"S3 Inventory file {location} line {n} is longer than {MAX_LINE} bytes: not an inventory "
+                "report (or a corrupt one)",
+                url=location,
+            )
+        try:
+            yield line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"S3 Inventory file {location} line {n} is not UTF-8 ({exc})", url=location
+            ) from None
+
+
+def _inventory_csv(location: str, fh: BinaryIO, schema: list[str]) -> Iterator[dict[str, Any]]:
+    """The rows of one CSV report, gzipped or not, decompressed and parsed as they are read: memory is a
+    range of the report and a line, whatever it inflates to."""
+    import csv
+
     names = [_snake(c) for c in schema]
     if "key" not in names:
         raise ConfigError(
             f"S3 Inventory file {location}: fileSchema {schema} has no Key column", url=location
         )
-    reader = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
-    for values in reader:
-        where = f"S3 Inventory file {location} line {reader.line_num}"
-        if len(values) != len(names):
-            raise ConfigError(f"{where} has {len(values)} values, the fileSchema {len(names)}", url=location)
-        row: dict[str, Any] = dict(zip(names, values, strict=True))
-        row["key"] = urllib.parse.unquote_plus(row["key"])  # keys in CSV reports are URL-encoded
-        yield row
+    head = fh.read(2)
+    fh.seek(0)
+    stream: BinaryIO = gzip.GzipFile(fileobj=fh, mode="rb") if head == b"\x1f\x8b" else fh  # type: ignore[assignment]
+    reader = csv.reader(_lines(location, stream))
+    try:
+        for values in reader:
+            if len(values) != len(names):
+                raise ConfigError(
+                    f"S3 Inventory file {location} line {reader.line_num} has {len(values)} values, the "
+                    f"fileSchema {len(names)}",
+                    url=location,
+                )
+            row: dict[str, Any] = dict(zip(names, values, strict=True))
+            row["key"] = urllib.parse.unquote_plus(row["key"])  # keys in CSV reports are URL-encoded
+            yield row
+    except (csv.Error, gzip.BadGzipFile, EOFError, zlib.error) as exc:  # a corrupt gzip stream, a bad line
+        raise ConfigError(
+            f"S3 Inventory file {location} line {reader.line_num + 1} cannot be read: {exc}", url=location
+        ) from None

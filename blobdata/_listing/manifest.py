@@ -41,7 +41,7 @@ from .._errors import ManifestError
 from .mapping import Buffer, is_verified, mark_verified, read_source, write_atomic
 from .packed import pack, unpack
 
-__all__ = ["FORMAT_VERSION", "Manifest", "manifest_path"]
+__all__ = ["FORMAT_VERSION", "Manifest", "load_own", "manifest_path"]
 
 FORMAT_VERSION = 1
 _MAGIC = b"BLOBMANI"
@@ -404,7 +404,10 @@ class Manifest:
         A missing file raises NotFound (or the error class of the store).
         """
         source = os.fspath(path_or_url)
-        data, mark = read_source(source, storage_options, progress)
+        return cls._checked(source, *read_source(source, storage_options, progress), expect_root)
+
+    @classmethod
+    def _checked(cls, source: str, data: Buffer, mark: str | None, expect_root: str | None) -> Manifest:
         known = is_verified(mark)
         manifest = cls.from_bytes(data, source=source, verified=known)
         if not known:
@@ -416,6 +419,15 @@ class Manifest:
                 url=source,
             )
         return manifest
+
+
+def load_own(path: str | os.PathLike[str], *, setting: str, expect_root: str | None = None) -> Manifest:
+    """:meth:`Manifest.load` of a file in a place shared on the node (a remembered listing, a rank's
+    hand-off): mapped only if it is this user's own, not a link, in a directory no one else can write
+    (ConfigError otherwise, naming ``setting``, what chose the place), the descriptor checked being the
+    one mapped (:func:`~blobdata._listing.mapping.read_source`)."""
+    source = os.fspath(path)
+    return Manifest._checked(source, *read_source(source, None, False, own=setting), expect_root)
 
 
 def manifest_path(root: str, options_token: str, params: Mapping[str, Any] | None = None) -> Path:

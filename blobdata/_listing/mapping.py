@@ -85,14 +85,26 @@ def mark_verified(mark: str | None) -> None:
                 os.unlink(old)
 
 
-def _map(path: str, source: str) -> tuple[Buffer, str | None]:
-    """``path`` mapped read-only, and the name of its verified-marker."""
+def _open(path: str, source: str, own: str | None) -> int:
     try:
-        fd = os.open(os.path.expanduser(path), os.O_RDONLY)
+        if own is None:
+            fd: int | None = os.open(os.path.expanduser(path), os.O_RDONLY | os.O_CLOEXEC)
+        else:  # a file of a shared place: this user's own, no link, in a directory no one else writes
+            from .._node import open_own
+
+            fd = open_own(path, setting=own, todo="remove it (blobdata writes its own there)")
     except FileNotFoundError:
-        raise NotFound(f"manifest {source} does not exist", url=source) from None
+        fd = None
     except OSError as exc:
         raise ManifestError(f"manifest {source} cannot be read: {exc.strerror or exc}", url=source) from exc
+    if fd is None:
+        raise NotFound(f"manifest {source} does not exist", url=source)
+    return fd
+
+
+def _map(path: str, source: str, own: str | None) -> tuple[Buffer, str | None]:
+    """``path`` mapped read-only, and the name of its verified-marker; ``own``: see :func:`read_source`."""
+    fd = _open(path, source, own)
     try:
         st = os.fstat(fd)
         if st.st_size < 24:  # shorter than the preamble (an empty file cannot be mapped)
@@ -111,12 +123,18 @@ def _map(path: str, source: str) -> tuple[Buffer, str | None]:
 
 
 def read_source(
-    source: str, storage_options: Mapping[str, Any] | None, progress: bool | None = None
-) -> tuple[Buffer, str | None]:
+    source: str, storage_options: Mapping[str, Any] | None, progress: bool | None = None, *,
+    own: str | None = None,
+) -> tuple[Buffer, str | None]:  # fmt: skip
     """The bytes of the manifest at ``source``: a local file mapped (with its verified-marker's
-    name), a remote one downloaded (no marker: it is verified on every load)."""
+    name), a remote one downloaded (no marker: it is verified on every load).
+
+    ``own`` (the setting that chose the place, named in messages: ``"BLOBDATA_CACHE_HOME"``): the file
+    lies in a place shared on the node, so it is mapped only if it is this user's own, not a link, in a
+    directory no one else can write (:func:`blobdata._node.open_own`, ConfigError otherwise), and the
+    descriptor mapped is the one checked."""
     if "://" not in source or source.startswith("file://"):
-        return _map(source[len("file://") :] if source.startswith("file://") else source, source)
+        return _map(source[len("file://") :] if source.startswith("file://") else source, source, own)
     # Late: fsspec and the store clients are not needed to read a local manifest.
     from .._loop import run
     from .._metrics import progress as _progress

@@ -110,12 +110,13 @@ def save_table(table: SampleTable, path: str | os.PathLike[str], *, source: str 
 
 def load_table(
     source: str, *, storage_options: Mapping[str, Any] | None = None, expect_root: str | None = None,
-    data: Buffer | None = None,
+    data: Buffer | None = None, own: str | None = None,
 ) -> SampleTable:  # fmt: skip
-    """The table saved at ``source`` (a local path, mapped; or a URL), or in ``data`` already read."""
+    """The table saved at ``source`` (a local path, mapped; or a URL), or in ``data`` already read;
+    ``own``: a file of a place shared on the node (see :func:`~blobdata._listing.mapping.read_source`)."""
     mark = None
     if data is None:
-        data, mark = read_source(source, storage_options, False)
+        data, mark = read_source(source, storage_options, False, own=own)
     known = is_verified(mark)
     table = table_from_bytes(data, source=source, expect_root=expect_root, verified=known)
     if not known:

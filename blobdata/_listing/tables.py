@@ -8,6 +8,7 @@ as nothing where empty, as pandas reads them for Hugging Face. Parquet needs ``p
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -15,12 +16,15 @@ import os
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .._errors import ConfigError, NotFound
 from .._url import parse_url
 
-__all__ = ["FORMATS", "format_of", "place", "read_bytes", "resolve", "rows"]
+if TYPE_CHECKING:
+    from .._fetch import FetchEngine
+
+__all__ = ["FORMATS", "format_of", "open_bytes", "place", "read_bytes", "resolve", "rows"]
 
 FORMATS = ("csv", "jsonl", "parquet")
 
@@ -36,10 +40,27 @@ def format_of(source: str) -> str:
     )
 
 
+def _local(source: str) -> str | None:
+    """The local path ``source`` names, or None for an object URL."""
+    if "://" not in source or source.startswith("file://"):
+        return source[len("file://") :] if source.startswith("file://") else source
+    return None
+
+
+def _engine(source: str, storage_options: Mapping[str, Any] | None) -> FetchEngine:
+    from .._config import FetchOptions
+    from .._fetch import FetchEngine
+    from .._stores import resolve_storage_options
+
+    url = parse_url(source)
+    options = resolve_storage_options(url.protocol, storage_options or {})
+    return FetchEngine(FetchOptions(), url.protocol, options, root=source)
+
+
 def read_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: str) -> bytes:
     """The bytes of a local file or of an object (``what`` names it in errors: "index", "metadata")."""
-    if "://" not in source or source.startswith("file://"):
-        path = source[len("file://") :] if source.startswith("file://") else source
+    path = _local(source)
+    if path is not None:
         try:
             return Path(path).expanduser().read_bytes()
         except FileNotFoundError:
@@ -48,19 +69,10 @@ def read_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: 
             raise ConfigError(
                 f"{what} file {source} cannot be read: {exc.strerror or exc}", url=source
             ) from exc
-    from .._config import FetchOptions
-    from .._fetch import FetchEngine
     from .._loop import run
-    from .._stores import resolve_storage_options
 
-    url = parse_url(source)
     # One GET through blobdata's own reader (its retry budget and error map), no HEAD before it.
-    engine = FetchEngine(
-        FetchOptions(),
-        url.protocol,
-        resolve_storage_options(url.protocol, storage_options or {}),
-        root=source,
-    )
+    engine = _engine(source, storage_options)
 
     async def fetch() -> bytes:
         try:
@@ -72,6 +84,37 @@ def read_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: 
         return run(fetch())
     except NotFound as exc:
         raise NotFound(f"{what} file {source} does not exist ({exc.message})", url=source) from exc
+
+
+@contextlib.contextmanager
+def open_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: str) -> Iterator[BinaryIO]:
+    """A local file, or an object read in ranges as it is consumed (:class:`~blobdata._fetch.RangedFile`),
+    as a seekable binary file: what reads a large table holds a range of it, not all of it."""
+    path = _local(source)
+    if path is not None:
+        try:
+            fh: BinaryIO = open(os.path.expanduser(path), "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            raise NotFound(f"{what} file {source} does not exist", url=source) from None
+        except OSError as exc:
+            raise ConfigError(
+                f"{what} file {source} cannot be read: {exc.strerror or exc}", url=source
+            ) from exc
+        with fh:
+            yield fh
+        return
+    from .._fetch import RangedFile
+    from .._loop import run
+
+    engine = _engine(source, storage_options)
+    try:
+        yield io.BufferedReader(RangedFile(engine, source), buffer_size=1 << 20)  # type: ignore[arg-type]
+    except NotFound as exc:
+        if exc.url != source:
+            raise
+        raise NotFound(f"{what} file {source} does not exist ({exc.message})", url=source) from exc
+    finally:
+        run(engine.aclose())
 
 
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
@@ -91,10 +134,19 @@ def place(source: str, fmt: str, what: str) -> str:
 
 
 def rows(
-    source: str, data: bytes, fmt: str, *, what: str, keep: frozenset[str] = frozenset()
+    source: str, data: bytes | BinaryIO, fmt: str, *, what: str, keep: frozenset[str] = frozenset()
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(n, row)`` for every row of ``data`` (the bytes of ``source``), ``n`` its line (its row number
-    in Parquet; :func:`place` names it); CSV columns in ``keep`` stay text (no number read from them)."""
+    """``(n, row)`` for every row of ``data`` (the bytes of ``source``; for Parquet, or a seekable file of
+    them: :func:`open_bytes`), ``n`` its line (its row number in Parquet; :func:`place` names it); CSV
+    columns in ``keep`` stay text (no number read from them). Parquet is read row group by row group, a
+    batch of rows at a time, each bounded (:mod:`blobdata._listing.parquet`)."""
+    if fmt == "parquet":
+        from .parquet import parquet_rows
+
+        yield from parquet_rows(source, data, what)
+        return
+    if not isinstance(data, bytes):
+        data = data.read()
     name = f"{what} {source}"
     if fmt == "jsonl":
         for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
@@ -134,27 +186,8 @@ def rows(
                 reader.line_num,
                 {h: v if h in keep else _number(v) for h, v in zip(header, values, strict=True)},
             )
-    elif fmt == "parquet":
-        yield from enumerate(_parquet(source, data, what), 1)
     else:
         raise ConfigError(f"unknown table format {fmt!r} for {source}", url=source)
-
-
-def _parquet(source: str, data: bytes, what: str) -> list[dict[str, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ConfigError(
-            f"{what} {source} is a Parquet file, and reading Parquet needs pyarrow: pip install pyarrow "
-            "(or give the table as CSV or JSON Lines)",
-            url=source,
-        ) from None
-    try:
-        table = pq.read_table(io.BytesIO(data))
-    except Exception as exc:
-        raise ConfigError(f"{what} {source} is not a readable Parquet file: {exc}", url=source) from None
-    out: list[dict[str, Any]] = table.to_pylist()
-    return out
 
 
 def resolve(source: str, root: str) -> str:

@@ -13,7 +13,7 @@ module             its one job
 from __future__ import annotations
 
 from . import shm
-from .files import check_shared_dir, is_own, read_own, write_own
+from .files import check_shared_dir, is_own, open_own, read_own, write_own
 from .owners import alive, per_user_dir, remove_owned_tree, started
 from .shm import make_locked_dir, make_owned_dir, memory_dir, shm_root, sweep, user_dir
 
@@ -24,6 +24,7 @@ __all__ = [
     "make_locked_dir",
     "make_owned_dir",
     "memory_dir",
+    "open_own",
     "per_user_dir",
     "read_own",
     "remove_owned_tree",

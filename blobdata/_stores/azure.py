@@ -28,7 +28,7 @@ from typing import Any
 
 from .._config import env
 from .._errors import ConfigError, NotFound, ObjectChanged, TransientError, translate
-from .base import ReadResult, StoreInfo
+from .base import ReadResult, StoreInfo, check_header_identity
 from .http import ProcessBound, check_content_range, grown, lean_session
 from .network import proxy_url
 
@@ -204,6 +204,8 @@ class AzureReader:
             url, first, end, known - first if known is not None else _UNSIZED_CAP,
             whole=size is not None and start is None and end is None, etag=pinned,
         )  # fmt: skip
+        if pinned:
+            check_header_identity(pinned, url)
         if expect_identity:
             kwargs.update(
                 etag=f'"{expect_identity.strip(chr(34))}"', match_condition=MatchConditions.IfNotModified

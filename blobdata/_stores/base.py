@@ -16,7 +16,10 @@ from typing import Any, NamedTuple, Protocol
 
 from .._errors import ManifestError
 
-__all__ = ["MAX_LISTED_SIZE", "Entry", "Lister", "ReadResult", "Reader", "StoreInfo", "listed_size"]
+__all__ = [
+    "MAX_LISTED_SIZE", "Entry", "Lister", "ReadResult", "Reader", "StoreInfo", "check_header_identity",
+    "listed_size",
+]  # fmt: skip
 
 #: The largest object size a listing may state, in bytes (1 PiB; S3's own limit is 50 TB).
 MAX_LISTED_SIZE = 1 << 50
@@ -50,6 +53,20 @@ def listed_size(value: object, url: str) -> int:
             url,
         )
     return size
+
+
+def check_header_identity(identity: str, url: str) -> None:
+    """A :class:`ManifestError` naming ``url`` unless ``identity`` (an ETag to send as ``If-Match``) can
+    be a header's value: printable, Latin-1. An index or a manifest is data, and a line break in an ETag
+    would start another header; refused here, in words, before any request is made."""
+    if identity.isprintable() and (identity.isascii() or max(identity) <= "\xff"):
+        return
+    raise ManifestError(
+        f"the ETag {identity!r} given for {url} cannot be sent in a request header (a line break, a control "
+        "character or a character outside Latin-1): fix the etag column of the index or listing that gives "
+        "it, or leave it empty (the ETag is then learned at the first read)",
+        url,
+    )
 
 
 class Reader(Protocol):

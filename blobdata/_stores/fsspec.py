@@ -24,7 +24,7 @@ from .._config import FetchOptions
 from .._errors import AccessDenied, ConfigError, translate
 from .._loop import get_loop
 from .._retry import with_retries
-from .._url import BlobURL
+from .._url import BlobURL, printable
 from .base import Entry, ReadResult, listed_size
 from .options import options_token
 
@@ -206,7 +206,7 @@ class AsyncFsLister:
             outside = [f"{self.url.protocol}://{n}" for n in found if n not in inside]
             logger.warning("listing of %s: dropped %d key(s) outside the requested prefix: %s; the store or "
                            "a proxy answered for another prefix", self.url, len(outside),
-                           ", ".join(outside[:5]))  # fmt: skip
+                           printable(", ".join(outside[:5])))  # fmt: skip
         scheme = self.url.protocol
         return [
             (self._rel(n), listed_size(i.get("size") or 0, f"{scheme}://{n}"), self.identity(i))

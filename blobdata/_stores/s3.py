@@ -50,13 +50,13 @@ from .._errors import (
     TransientError,
     from_status,
 )
-from .base import ReadResult, StoreInfo
+from .base import ReadResult, StoreInfo, check_header_identity
 from .h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
 from .h1 import RangeIgnored as _H1RangeIgnored
 from .http import ProcessBound, check_content_range, grown
 from .network import ca_bundle, proxy_settings, redact_url
 from .s3xml import ListPage, list_query, parse_list_page
-from .sigv4 import Credentials, SigV4Signer, cached_chain, quote_key, refresh_chain, resolve_chain
+from .sigv4 import Credentials, SigV4Signer, cached_chain, chain_key, quote_key, refresh_chain, resolve_chain
 
 __all__ = ["EXPIRED_CODES", "S3ErrorResponse", "S3Reader", "split_identity"]
 
@@ -136,6 +136,8 @@ class S3Reader:
             Credentials(str(key), str(secret), str(token) if token else None) if key and secret else None
         )
         self._profile: str | None = opts.get("profile")
+        # What selects the chain's credentials (the environment, the AWS files), read once here.
+        self._chain = chain_key(self._profile) if self._static is None and not self._anon else ""
         self._extra_headers = {"x-amz-request-payer": "requester"} if opts.get("requester_pays") else {}
         # botocore's ``verify``: False (no certificate check) or a CA bundle path; default on.
         self._verify = ca_bundle(opts, self._profile) if self._uses_tls() else True
@@ -163,7 +165,7 @@ class S3Reader:
     async def _refreshed(self, stale: Credentials) -> Credentials | None:
         """Credentials resolved afresh after the store refused ``stale`` as expired (off the loop: the
         chain may run a process or ask the instance metadata service); None if the chain has none."""
-        creds = await asyncio.to_thread(refresh_chain, self._profile, stale)
+        creds = await asyncio.to_thread(refresh_chain, self._profile, self._chain, stale)
         if creds is None:
             return None
         frozen = creds.get_frozen_credentials()
@@ -174,10 +176,10 @@ class S3Reader:
             return None
         if self._static is not None:
             return self._static
-        creds = cached_chain(self._profile)
+        creds = cached_chain(self._profile, self._chain)
         if creds is None:
             # Off the loop: the chain may read files or wait on the instance metadata service.
-            creds = await asyncio.to_thread(resolve_chain, self._profile)
+            creds = await asyncio.to_thread(resolve_chain, self._profile, self._chain)
         if creds is None:
             return None
         frozen = creds.get_frozen_credentials()  # refreshable credentials rotate here
@@ -335,6 +337,8 @@ class S3Reader:
         else:
             bound = size if size is not None else MAX_BODY
         if expect_etag:
+            if not (expect_etag.isascii() and expect_etag.isprintable()):  # the common case costs two C calls
+                check_header_identity(expect_etag, url)
             headers["If-Match"] = f'"{expect_etag}"'
 
         def on_success(resp: Response) -> ReadResult:

@@ -28,7 +28,7 @@ from typing import Any
 from .._config import FetchOptions
 from .._errors import BlobdataError, FetchError, FetchTimeout, TransientError
 from .._retry import final_error, with_retries
-from .._url import BlobURL
+from .._url import BlobURL, printable
 from .base import Entry
 from .fsspec import bounded
 from .s3 import STORE, S3Reader
@@ -264,7 +264,8 @@ class PagedLister:
         if self._outside_count:
             logger.warning(
                 "listing of %s: dropped %d key(s) outside the requested prefix (%s%s); the store or a proxy "
-                "answered for another prefix", self.url, self._outside_count, ", ".join(self._outside),
+                "answered for another prefix", self.url, self._outside_count,
+                printable(", ".join(self._outside)),
                 ", ..." if self._outside_count > len(self._outside) else "",
             )  # fmt: skip
             self._outside, self._outside_count = [], 0

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from .. import _process
+from .node_credentials import chain_key
 
 __all__ = [
     "EMPTY_SHA256",
@@ -22,6 +23,7 @@ __all__ = [
     "Credentials",
     "SigV4Signer",
     "cached_chain",
+    "chain_key",
     "quote_key",
     "refresh_chain",
     "resolve_chain",
@@ -151,8 +153,9 @@ class _Scope(NamedTuple):
     key: bytes
 
 
-# botocore's credential chain, resolved once per process (env, config files, SSO, IMDS, ...).
-chains: dict[tuple[int, str | None], Any] = {}
+# botocore's credential chain, resolved once per process (env, config files, SSO, IMDS, ...), per
+# (pid, profile, chain key): the key holds everything else that selects the credentials (chain_key).
+chains: dict[tuple[int, str | None, str], Any] = {}
 _chain_lock = threading.Lock()
 
 
@@ -165,36 +168,39 @@ def _reset_chain_lock() -> None:
 _process.at_fork(after_in_child=_reset_chain_lock)
 
 
-def cached_chain(profile: str | None) -> Any:
-    """This process's resolved chain for ``profile``, or None when not resolved yet (no I/O)."""
-    return chains.get((_process.pid(), profile))
+def cached_chain(profile: str | None, key: str) -> Any:
+    """This process's resolved chain for ``profile`` and ``key`` (:func:`chain_key`), or None when not
+    resolved yet (no I/O)."""
+    return chains.get((_process.pid(), profile, key))
 
 
-def resolve_chain(profile: str | None) -> Any:
-    """botocore's chain for ``profile``, resolved at most once per process (requests that start
-    together wait here, in threads, for the first resolution instead of each asking IMDS/SSO) and,
-    for refreshable credentials, once per node (:mod:`.node_credentials`)."""
+def resolve_chain(profile: str | None, key: str | None = None) -> Any:
+    """botocore's chain for ``profile``, resolved at most once per process and chain ``key`` (default:
+    :func:`chain_key` now; requests that start together wait here, in threads, for the first resolution
+    instead of each asking IMDS/SSO) and, for refreshable credentials, once per node
+    (:mod:`.node_credentials`)."""
     import botocore.session
 
     from .node_credentials import node_chain
 
-    cache_key = (_process.pid(), profile)
+    key = chain_key(profile) if key is None else key
+    cache_key = (_process.pid(), profile, key)
     with _chain_lock:
         if cache_key not in chains:
             session = botocore.session.Session(profile=profile) if profile else botocore.session.get_session()
             # Once per node: the other processes read what the first resolved (node_credentials).
-            chains[cache_key] = node_chain(profile, session.get_credentials)
+            chains[cache_key] = node_chain(key, session.get_credentials)
         return chains[cache_key]
 
 
-def refresh_chain(profile: str | None, stale: Credentials) -> Any:
-    """The chain for ``profile`` resolved afresh after a store refused ``stale`` as expired: this process's
-    resolution, and the node's shared copy when it still holds ``stale``, are forgotten first. Threads
-    (or processes of the node) that saw the same refusal together resolve once: one that finds the
-    chain already holding other credentials takes them. Blocking (run it in a thread)."""
+def refresh_chain(profile: str | None, key: str, stale: Credentials) -> Any:
+    """The chain for ``profile`` and ``key`` resolved afresh after a store refused ``stale`` as expired:
+    this process's resolution, and the node's shared copy when it still holds ``stale``, are forgotten
+    first. Threads (or processes of the node) that saw the same refusal together resolve once: one that
+    finds the chain already holding other credentials takes them. Blocking (run it in a thread)."""
     from .node_credentials import forget
 
-    cache_key = (_process.pid(), profile)
+    cache_key = (_process.pid(), profile, key)
     with _chain_lock:
         current = chains.get(cache_key)
         if current is not None:
@@ -202,5 +208,5 @@ def refresh_chain(profile: str | None, stale: Credentials) -> Any:
             if (frozen.access_key, frozen.secret_key, frozen.token) != tuple(stale):
                 return current  # refreshed meanwhile
             del chains[cache_key]
-        forget(profile, stale)
-    return resolve_chain(profile)
+        forget(key, stale)
+    return resolve_chain(profile, key)

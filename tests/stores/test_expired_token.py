@@ -53,7 +53,7 @@ def profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[s
     yield name, runs
     for key in [k for k in sigv4.chains if k[1] == name]:
         del sigv4.chains[key]
-    path = node_credentials._path(name)
+    path = node_credentials._path(node_credentials.chain_key(name))
     if path is not None:
         for p in (path, path + ".lock"):
             if os.path.exists(p):
@@ -104,7 +104,7 @@ def test_an_expired_token_is_resolved_again_once_and_the_read_succeeds(
         assert _read(_options(proxy, name), bucket, "ds/a.bin") == b"hello"
         assert proxy.tokens == ["tok-1", "tok-2"]  # refused, then signed with what the 2nd run gave
     assert _runs(runs) == 2  # the credential chain was resolved a second time, once
-    path = node_credentials._path(name)
+    path = node_credentials._path(node_credentials.chain_key(name))
     if path is not None:  # the node's shared copy holds the new credentials, not the expired ones
         shared = node_credentials._read(path)
         assert shared is not None and shared[0].token == "tok-2"
