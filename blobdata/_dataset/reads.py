@@ -13,10 +13,11 @@ import contextlib
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from .. import _process
 from .._cache import BlobCache, CacheWriter
+from .._config import FetchOptions
 from .._errors import BlobdataError
 from .._fetch import IN_FLIGHT, FetchEngine, LookAhead
 from .._loop import submit
@@ -24,10 +25,22 @@ from .._metrics import stats as _stats
 from .._stores import read_local_file, resolve_storage_options
 from .ahead import BuiltAhead
 
-if TYPE_CHECKING:
-    from .base import BlobDatasetBase
 
-__all__ = ["PENDING", "Objects", "ProcessState", "read_batch"]
+class Dataset(Protocol):
+    """What the reads need of a dataset (:class:`~blobdata._dataset.base.Dataset`)."""
+
+    _url: str
+    _local_root: str | None
+    _protocol: str
+    _storage_options: dict[str, Any]
+    cache: BlobCache | None
+    fetch_options: FetchOptions
+
+    def _objects(self, indices: list[int]) -> Objects: ...
+
+    def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError: ...
+
+__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch"]
 
 #: How long a batch waits for the look-ahead to move past the batch before it (it reads the cache for
 #: what comes next): a loop that is this late is stuck, and the batch reads what it needs itself.
@@ -52,7 +65,7 @@ class Objects(NamedTuple):
 class ProcessState:
     """Per-process handles: fetch engine, cache, staging area. Never pickled."""
 
-    def __init__(self, ds: BlobDatasetBase) -> None:
+    def __init__(self, ds: Dataset) -> None:
         self.pid = _process.pid()
         self.engine = FetchEngine(
             ds.fetch_options,
@@ -84,16 +97,16 @@ def _close_engine(engine: FetchEngine, pid: int) -> None:
             submit(engine.aclose())
 
 
-def read_batch(ds: BlobDatasetBase, proc: ProcessState, idx: list[int]) -> list[Any]:
+def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:
     """Each sample's data (or the error met reading it) where it could be had without the loop; else
     :data:`PENDING`."""
     n = len(idx)
     out: list[Any] = [PENDING] * n
+    advancing, proc.advancing = proc.advancing, None
+    if advancing is not None:  # what it stages (its first move makes it) is taken from it, not read here
+        advancing.wait(_ADVANCE_WAIT_S)
     staging = proc.lookahead
     if staging is not None:
-        advancing, proc.advancing = proc.advancing, None
-        if advancing is not None:  # what it stages is taken from it, not read here too
-            advancing.wait(_ADVANCE_WAIT_S)
         for k, fetching in enumerate(staging.stager.take_ready(idx)):
             if fetching:
                 out[k] = IN_FLIGHT
@@ -107,7 +120,7 @@ def read_batch(ds: BlobDatasetBase, proc: ProcessState, idx: list[int]) -> list[
 
 
 def _read_direct(
-    ds: BlobDatasetBase, proc: ProcessState, idx: list[int], rest: list[int], out: list[Any], local: bool
+    ds: Dataset, proc: ProcessState, idx: list[int], rest: list[int], out: list[Any], local: bool
 ) -> None:
     """Fill ``out[k]`` for ``k`` in ``rest`` from the cache (one lookup) and, for a local folder, by
     reading the files."""
@@ -147,7 +160,7 @@ def _read_direct(
         out[k] = failed if failed is not None else members
 
 
-def _read_files(ds: BlobDatasetBase, proc: ProcessState, obj: Objects, bodies: list[Any]) -> None:
+def _read_files(ds: Dataset, proc: ProcessState, obj: Objects, bodies: list[Any]) -> None:
     """Read what the cache did not have of a local folder's objects, in this thread (checked as
     :func:`blobdata._stores.read_local_file` says); offered to the cache where there is one."""
     writer = proc.writer
