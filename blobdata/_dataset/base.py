@@ -142,7 +142,8 @@ class BlobDatasetBase:
     def _build_ahead(self, idx: list[int], seed: int | None, stop: threading.Event) -> list[Any]:
         # Its fetches are given up (cancelled) as soon as the batch will not be used: the worker,
         # given another batch, waits for this thread, not for a slow or retrying request.
-        fetching = submit(self._gather(idx, seed, ahead=True))
+        with _stats.for_next_epoch():  # its reads are the next epoch's, not this one's
+            fetching = submit(self._gather(idx, seed, ahead=True))
         while True:
             try:
                 datas = fetching.result(timeout=0.05)
@@ -283,11 +284,11 @@ class BlobDatasetBase:
             data = proc.cache.get(url, identity)
             v[_stats.CACHE_S] += time.perf_counter() - t
             if data is not None:
-                v[_stats.FROM_CACHE] += 1
+                v[_stats.N_FROM_CACHE if _stats.next_epoch() else _stats.FROM_CACHE] += 1
                 v[_stats.BYTES_CACHE] += len(data)
                 return data, identity
         data, got = await proc.engine.fetch(url, size=size, identity=None if unknown else identity)
-        v[_stats.FROM_BUCKET] += 1
+        v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
         key = got if unknown else identity
         # offer() never waits: written in batches off this path, or dropped (and counted) when behind.
         if proc.writer is not None and (key or not unknown) and not proc.writer.offer(url, key, data):
@@ -359,7 +360,8 @@ class BlobDatasetBase:
             total += size
         self._drop_handoff()
         if chosen:
-            self._process().handing = submit(self._fetch_handoff(chosen, self._handoff))
+            with _stats.for_next_epoch():  # the next epoch's first batches
+                self._process().handing = submit(self._fetch_handoff(chosen, self._handoff))
 
     async def _fetch_handoff(self, chosen: list[int], into: dict[int, Any]) -> None:
         async def one(i: int) -> None:

@@ -29,7 +29,7 @@ from .._errors import BlobdataError, ConfigError, DecodeError, ManifestError, No
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
 from .._sampling import enter_batch, leave_sample
-from .._stores import resolve_storage_options
+from .._stores import list_requests, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .ahead import Stopped
 from .base import BlobDatasetBase, OnError, resolve_cache
@@ -107,6 +107,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         )
         self.transform = transform
         self._decoders = decoders_for(decoders)
+        lists = list_requests()
         self._table: SampleTable = build_table(
             self._url,
             storage_options=resolve_storage_options(self._protocol, self._storage_options),
@@ -118,6 +119,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             fetch_options=self.fetch_options,
             share=share_listing,
         )
+        self.list_requests = list_requests() - lists  # LIST requests its listing took (an index: none)
         self._learned: dict[int, str] = {}  # object row -> identity learned at its first read (this process)
 
     @property

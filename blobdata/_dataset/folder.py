@@ -26,7 +26,7 @@ from .._errors import BlobdataError, ConfigError
 from .._listing import Manifest, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
 from .._sampling import enter_batch, leave_sample
-from .._stores import resolve_storage_options
+from .._stores import list_requests, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .ahead import Stopped
 from .base import BlobDatasetBase, OnError, legacy_keywords, resolve_cache
@@ -133,7 +133,9 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
             local_root=self._local_root,
         )
         key = repr(listing_params(exts, valid))
+        lists = list_requests()
         listed = shared_manifest(self._url, make, key=key) if share_listing else make()
+        self.list_requests = list_requests() - lists  # LIST requests its listing took (remembered: none)
         self._manifest, self._targets = listed, listed.targets
         self.classes: list[str] = list(listed.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}

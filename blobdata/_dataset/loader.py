@@ -178,7 +178,10 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         dataloader_iter = super().__iter__
         pipeline = self.device_pipeline
         if pipeline is None:
-            plain = lambda: self._collect_skips(self.progress.track(dataloader_iter()))  # noqa: E731
+
+            def plain() -> Iterator[Any]:
+                return self._collect_skips(self._counted(self.progress.track(dataloader_iter())))
+
             return TimedIter(plain, self._clock, self._records)
         # Counted as the loop receives them (the pipeline works ahead); a batch whose every sample
         # was skipped counts but is not yielded, so that the sampler's position stays exact.
@@ -186,7 +189,7 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         def device_batches() -> Iterator[Any]:
             pipeline.stop_previous()  # before dataloader_iter() resets persistent workers' iterator
             batches = pipeline(dataloader_iter(), self.progress)  # the epoch numbers its augmentation
-            return _present(self._collect_skips(self.progress.track(batches)))
+            return _present(self._collect_skips(self._counted(self.progress.track(batches))))
 
         return TimedIter(device_batches, self._clock, self._records)
 
@@ -203,6 +206,17 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         settle = getattr(self.dataset, "_settle_hand_over", None)
         if settle is not None:
             settle()
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The samples of each batch the loop receives, as planned, in :meth:`stats` (``samples``)."""
+        clock, progress = self._clock, self.progress
+        for batch in batches:
+            size = progress.last_size
+            if size >= 0:
+                clock.samples += size
+            else:
+                clock.unplanned += 1
+            yield batch
 
     def _collect_skips(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Workers' ``on_error="skip"`` reports join ``dataset.errors`` here, batch by batch."""
@@ -228,8 +242,10 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         c = self._clock
         totals = self._records.total()
         return LoaderStats.from_totals(
-            totals, loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s
-        )
+            totals, loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s,
+            loop_samples=c.samples if not c.unplanned else None,
+            list_requests=int(getattr(self.dataset, "list_requests", 0)),
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Where this loader stands (JSON-friendly, versioned): epoch, batches yielded in it, the

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import Any, Protocol
 
+from .._metrics import stats as _stats
 from .packed import PackedBatches, Predicted
 from .plans import Plan, PlanChannel
 
@@ -401,17 +402,20 @@ class LookAhead:
             nxt += stride
         reached = nxt
         upcoming = channel.next_of(plan) if nxt >= plan.num_batches and count < depth else None
+        if stager.schedule(ahead) == len(ahead) and upcoming is None:
+            self._frontier = max(frontier, reached)  # else (a bound reached): tried again next time
         if upcoming is not None:  # across the epoch's end: this process's first two batches of the next
             # (the ramp's start: a whole epoch staged at once would make its first batch wait for all)
-            nxt, limit = k % stride, min(depth - count + len(ahead), len(ahead) + 2 * max(len(indices), 1))
-            while nxt < upcoming.num_batches and len(ahead) < limit:
-                ahead.extend(upcoming.batch(nxt).tolist())
+            following: list[int] = []
+            nxt, limit = k % stride, min(depth - count, 2 * max(len(indices), 1))
+            while nxt < upcoming.num_batches and len(following) < limit:
+                following.extend(upcoming.batch(nxt).tolist())
                 nxt += stride
             if k + stride >= plan.num_batches and k % stride < upcoming.num_batches:
                 # This process's last batch of the epoch: the first it will be given in the next.
                 self.next_first = (upcoming.batch(k % stride).tolist(), upcoming.seed)
-        if stager.schedule(ahead) == len(ahead) and upcoming is None:
-            self._frontier = max(frontier, reached)  # else (a bound reached): tried again next time
+            with _stats.for_next_epoch():  # its reads are counted as the next epoch's
+                stager.schedule(following)
 
     def clear(self) -> None:
         """Drop everything staged (call on the loop)."""

@@ -4,7 +4,8 @@ loop's clock, the workers' skip reports, and progress lines.
 =================  ==========================================================================
 module             its one job
 =================  ==========================================================================
-``stats``          counters of each process in shared memory, summed into :class:`LoaderStats`
+``stats``          counters of each process in shared memory, summed by :class:`Records`
+``report``         :class:`LoaderStats`: a snapshot of the sums, its summary line and verdict
 ``timing``         the training loop's clock of a loader, and the epoch's summary line
 ``skips``          workers' ``on_error="skip"`` reports, carried to the training process
 ``progress``       progress bars and the requests line of ``warm``/``ls``
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 from . import progress, stats
 from .progress import RequestsLine
+from .report import LoaderStats, stages, throttle_bound
 from .skips import SkipLog
-from .stats import LoaderStats, Records, TimedCollate, stages, throttle_bound
+from .stats import Records, TimedCollate
 from .timing import LoopClock, TimedIter
 
 __all__ = [

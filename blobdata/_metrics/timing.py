@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .stats import LoaderStats, Records
+from .report import LoaderStats
+from .stats import Records
 
 __all__ = ["LoopClock", "TimedIter"]
 
@@ -27,6 +28,8 @@ class LoopClock:
         self.wait_s = 0.0
         self.batches = 0
         self.elapsed_s = 0.0
+        self.samples = 0  # samples in the batches the loop received, as planned
+        self.unplanned = 0  # batches the loop received whose size was not known (then: workers' count)
 
 
 class TimedIter:
@@ -42,7 +45,8 @@ class TimedIter:
         self._records = records
         self._log = log_epoch and log.isEnabledFor(logging.INFO)
         self._t0 = time.perf_counter()
-        self._start = (records.total() if self._log else None, clock.wait_s, clock.batches)
+        totals = records.total() if self._log else None
+        self._start = (totals, clock.wait_s, clock.batches, clock.samples, clock.unplanned)
         self._it = make()  # worker start-up is waiting too
         self._mark = self._t0
         clock.wait_s += time.perf_counter() - self._t0
@@ -81,14 +85,16 @@ class TimedIter:
         if self._done:
             return
         self._done = True
-        totals, wait0, batches0 = self._start
+        totals, wait0, batches0, samples0, unplanned0 = self._start
         if totals is not None:
             end = self._records.total()
+            clock = self._clock
             epoch = LoaderStats.from_totals(
                 end - totals,
                 now=end,
-                loop_wait_s=self._clock.wait_s - wait0,
-                loop_batches=self._clock.batches - batches0,
+                loop_wait_s=clock.wait_s - wait0,
+                loop_batches=clock.batches - batches0,
+                loop_samples=clock.samples - samples0 if clock.unplanned == unplanned0 else None,
                 elapsed_s=now - self._t0,
             )
             log.info("epoch: %s", epoch.summary())

@@ -207,6 +207,7 @@ class Progress:
         self._plan: Sequence[Sequence[int]] | None = None  # the current epoch's batches, as planned
         self.epoch = -1  # epochs begun, minus one
         self.batches = 0  # batches yielded in the current epoch, those skipped on resume included
+        self.last_size = -1  # samples in the last batch yielded, as planned (-1: not known)
         self.complete = True
         self._start: dict[str, Any] | None = None  # the sampler's state when the current epoch began
         self._pending: tuple[dict[str, Any], int] | None = None  # (sampler state, batches to skip)
@@ -279,6 +280,9 @@ class Progress:
             plan = self._plan  # set when the sampler began the epoch, before its first batch
             if plan is not None and j < len(plan):
                 self.served.update(self.epoch, plan[j])
+                self.last_size = len(plan[j])
+            else:
+                self.last_size = -1  # not known here
             yield batch
         self.complete = True
 

@@ -26,7 +26,7 @@ from typing import Any
 from .._config import FetchOptions
 from .._url import BlobURL
 from . import local
-from .base import Entry, Lister, Reader, ReadResult, StoreInfo, listed_size
+from .base import Entry, Lister, Reader, ReadResult, StoreInfo, list_requests, listed_size
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
 from .local import network_mount
 from .local import read_file as read_local_file
@@ -41,6 +41,7 @@ __all__ = [
     "credential_hint",
     "get_fs",
     "identity_from_info",
+    "list_requests",
     "listed_size",
     "lister_for",
     "listing_scope",

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple, Protocol
 from .._errors import ManifestError
 
 __all__ = [
+    "count_list",
+    "list_requests",
     "MAX_LISTED_SIZE", "Entry", "Lister", "ReadResult", "Reader", "StoreInfo", "check_header_identity",
     "listed_size",
 ]  # fmt: skip
@@ -150,3 +152,17 @@ class StoreInfo:
 
     def endpoint_of(self, storage_options: Mapping[str, Any]) -> str:
         return self.endpoint(storage_options) if self.endpoint else self.scope(storage_options)
+
+
+#: LIST requests this process sent to stores (S3's and GCS's pages; a listing call of an fsspec lister).
+_lists = [0]
+
+
+def count_list(n: int = 1) -> None:
+    """``n`` LIST requests were sent (on the loop)."""
+    _lists[0] += n
+
+
+def list_requests() -> int:
+    """LIST requests this process sent so far (a dataset takes the difference over its construction)."""
+    return _lists[0]

@@ -25,7 +25,7 @@ from .._errors import AccessDenied, ConfigError, translate
 from .._loop import get_loop
 from .._retry import with_retries
 from .._url import BlobURL, printable
-from .base import Entry, ReadResult, listed_size
+from .base import Entry, ReadResult, count_list, listed_size
 from .options import options_token
 
 __all__ = ["AsyncFsLister", "FsspecReader", "MemoryLister", "bounded", "get_fs", "memory_identity"]
@@ -182,6 +182,7 @@ class AsyncFsLister:
 
     async def folders(self) -> tuple[list[str], bool]:
         self.fs.invalidate_cache(self.base)
+        count_list()
         try:
             entries = await bounded(
                 lambda: self.fs._ls(self.base, detail=True), url=str(self.url), options=self.options,
@@ -197,6 +198,7 @@ class AsyncFsLister:
     async def below(self, folder: str) -> list[Entry]:
         path = f"{self.base}/{folder}"
         self.fs.invalidate_cache(path)
+        count_list()
         found = await bounded(
             lambda: self.fs._find(path, detail=True, withdirs=False), url=f"{self.url}/{folder}",
             options=self.options, store=self.store,

@@ -29,7 +29,7 @@ from .._config import FetchOptions
 from .._errors import BlobdataError, FetchError, FetchTimeout, TransientError
 from .._retry import final_error, with_retries
 from .._url import BlobURL, printable
-from .base import Entry
+from .base import Entry, count_list
 from .fsspec import bounded
 from .s3 import STORE, S3Reader
 from .s3_ranges import list_page_after, list_prefix
@@ -65,6 +65,7 @@ class S3fsLister:
         return self.url.prefix + "/" if self.url.prefix else ""
 
     def _iter(self, prefix: str, delimiter: str) -> Any:
+        count_list()  # one listing through s3fs (its pages are its own)
         return self.fs._iterdir(self.url.bucket, prefix=prefix, delimiter=delimiter)
 
     async def folders(self) -> tuple[list[str], bool]:
@@ -179,6 +180,7 @@ class PagedLister:
         left = self._deadline - loop.time()
         timeout = min(opts.timeout, max(left, 0.001))
         call = functools.partial(self._request, prefix, delimiter, token, start_after, timeout)
+        count_list()
         try:
             if left <= 0:
                 raise TimeoutError
