@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Container, Sequence
 from typing import Any
@@ -48,18 +49,18 @@ def type_csv(
     na = NA_VALUES
     out = []
     for j, name in enumerate(header):
-        cells = [r[j] for r in rows]
+        cells = [r[j] for r in rows]  # (zip(*rows) is far slower for many rows)
         out.append([None if c in na else c for c in cells] if name in keep else _column(cells))
     return out
 
 
-def _column(cells: list[str]) -> list[Any]:
+def _column(cells: Sequence[str]) -> list[Any]:
     na = NA_VALUES
     present = [c for c in cells if c not in na]
     if not present:
         return [None] * len(cells)
     if len(present) == len(cells) and all(map(_INT.fullmatch, present)):
-        ints = [int(c) for c in present]
+        ints = list(map(int, present))
         if not (min(ints) < 0 and max(ints) >= _I64):  # int64, uint64, or (object) Python ints beyond
             return ints
         return list(cells)  # pandas keeps a column of both as text
@@ -153,23 +154,26 @@ def _convert(value: Any, kind: Any) -> Any:
 
 def type_jsonl(rows: list[dict[str, Any]]) -> None:
     """Type the rows of a JSON Lines file in place, column by column (the module docstring)."""
-    columns: dict[str, None] = {}
+    if not rows:
+        return
+    columns = dict.fromkeys(rows[0])
+    first = columns.keys()
+    uniform = True
     for row in rows:
-        columns.update(dict.fromkeys(row))
+        if row.keys() != first:
+            columns.update(dict.fromkeys(row))
+            uniform = False
     for name in columns:
-        values = [row.get(name) for row in rows]
+        values = list(map(operator.itemgetter(name), rows)) if uniform else [row.get(name) for row in rows]
         types = set(map(type, values))
-        if types <= {int, type(None)}:
-            if any(v is not None and not -_I64 <= v < _I64 for v in values):
-                for row in rows:
-                    if row.get(name) is not None:
-                        row[name] = float(row[name])
+        if types <= _NUMBERS and int in types:  # whole numbers, maybe next to fractions and nulls
+            ints = [v for v in values if type(v) is int]
+            if float in types or min(ints) < -_I64 or max(ints) >= _I64:  # the column is float
+                for row, v in zip(rows, values, strict=True):
+                    if type(v) is int:
+                        row[name] = float(v)
             continue
-        if not types & {list, dict}:  # scalars: only ints next to floats change
-            if int in types and float in types and not types & {bool, str}:
-                for row in rows:
-                    if type(row.get(name)) is int:
-                        row[name] = float(row[name])
+        if not types & {list, dict}:  # other scalars stay as they are
             continue
         kind: Any = None
         for v in values:
@@ -180,7 +184,11 @@ def type_jsonl(rows: list[dict[str, Any]]) -> None:
             for row in rows:
                 if name in row:
                     row[name] = _convert(row[name], kind)
-    for row in rows:
-        if len(row) != len(columns):
-            for name in columns:
-                row.setdefault(name, None)
+    if not uniform:
+        for row in rows:
+            if len(row) != len(columns):
+                for name in columns:
+                    row.setdefault(name, None)
+
+
+_NUMBERS = frozenset({int, float, type(None)})

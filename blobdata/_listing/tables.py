@@ -111,7 +111,8 @@ def _jsonl(name: str, source: str, data: bytes) -> list[tuple[int, dict[str, Any
             row, deep = {}, True  # said below, as any value nested too deeply
         if not isinstance(row, dict):
             raise ConfigError(f"{name} line {n} is not a JSON object but {type(row).__name__}", url=source)
-        if deep or (line.count("[") + line.count("{") > MAX_DEPTH and depth(row) > MAX_DEPTH):
+        # (a value nested deeper than MAX_DEPTH takes more than 2 * MAX_DEPTH characters)
+        if deep or (len(line) > 2 * MAX_DEPTH and depth(row) > MAX_DEPTH):
             raise ConfigError(
                 f"{name} line {n} nests lists or objects more than {MAX_DEPTH} levels deep: flatten it, or "
                 "keep such a value in a member file (x.json) of its sample",
@@ -133,20 +134,22 @@ def _csv(name: str, source: str, data: bytes, keep: Container[str]) -> Iterator[
         if not header:
             return
         header = _unique([h.strip() for h in header])
+        width = len(header)
         lines: list[int] = []
         cells: list[list[str]] = []
         start = reader.line_num + 1  # where the next record starts, for an error in it
         for values in reader:
-            start, n = reader.line_num + 1, reader.line_num
-            if len(values) <= 1 and (not values or not values[0].strip()):
-                continue  # a blank line, skipped as pandas skips it
-            if len(values) > len(header):
-                raise ConfigError(
-                    f"{name} line {n} has {len(values)} values where the header names {len(header)} columns",
-                    url=source,
-                )
-            if len(values) < len(header):  # the missing values are missing, as pandas reads them
-                values += [""] * (len(header) - len(values))
+            n = reader.line_num
+            start = n + 1
+            if len(values) != width or width == 1:
+                if len(values) <= 1 and (not values or not values[0].strip()):
+                    continue  # a blank line, skipped as pandas skips it
+                if len(values) > width:
+                    raise ConfigError(
+                        f"{name} line {n} has {len(values)} values where the header names {width} columns",
+                        url=source,
+                    )
+                values += [""] * (width - len(values))  # missing values are missing, as pandas reads them
             lines.append(n)
             cells.append(values)
     except csv.Error as exc:
@@ -158,8 +161,8 @@ def _csv(name: str, source: str, data: bytes, keep: Container[str]) -> Iterator[
             url=source,
         ) from None
     columns = type_csv(header, cells, keep)
-    for i, n in enumerate(lines):
-        yield n, {h: col[i] for h, col in zip(header, columns, strict=True)}
+    for n, typed in zip(lines, zip(*columns, strict=True), strict=True):
+        yield n, dict(zip(header, typed, strict=True))
 
 
 def _unique(header: list[str]) -> list[str]:
