@@ -152,8 +152,9 @@ def _convert(value: Any, kind: Any) -> Any:
     return value
 
 
-def type_jsonl(rows: list[dict[str, Any]]) -> None:
-    """Type the rows of a JSON Lines file in place, column by column (the module docstring)."""
+def type_jsonl(rows: list[dict[str, Any]], keep: Container[str] = ()) -> None:
+    """Type the rows of a JSON Lines file in place, column by column (the module docstring); a column
+    named in ``keep`` keeps its values as JSON gives them (``None`` where a row lacks it)."""
     if not rows:
         return
     columns = dict.fromkeys(rows[0])
@@ -164,6 +165,8 @@ def type_jsonl(rows: list[dict[str, Any]]) -> None:
             columns.update(dict.fromkeys(row))
             uniform = False
     for name in columns:
+        if name in keep:
+            continue
         values = list(map(operator.itemgetter(name), rows)) if uniform else [row.get(name) for row in rows]
         types = set(map(type, values))
         if types <= _NUMBERS and int in types:  # whole numbers, maybe next to fractions and nulls

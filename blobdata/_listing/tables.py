@@ -83,10 +83,10 @@ def rows(
     source: str, data: bytes, fmt: str, *, what: str, keep: Container[str] = frozenset()
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(n, row)`` for every row of ``data`` (the bytes of ``source``), ``n`` its line (its row number
-    in Parquet; :func:`place` names it); CSV columns in ``keep`` stay text as read."""
+    in Parquet; :func:`place` names it); columns in ``keep`` are not typed (CSV: text as read)."""
     name = f"{what} {source}"
     if fmt == "jsonl":
-        yield from _jsonl(name, source, data)
+        yield from _jsonl(name, source, data, keep)
     elif fmt == "csv":
         yield from _csv(name, source, data, keep)
     elif fmt == "parquet":
@@ -95,7 +95,7 @@ def rows(
         raise ConfigError(f"unknown table format {fmt!r} for {source}", url=source)
 
 
-def _jsonl(name: str, source: str, data: bytes) -> list[tuple[int, dict[str, Any]]]:
+def _jsonl(name: str, source: str, data: bytes, keep: Container[str]) -> list[tuple[int, dict[str, Any]]]:
     out: list[tuple[int, dict[str, Any]]] = []
     for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
         if not line.strip():
@@ -119,7 +119,7 @@ def _jsonl(name: str, source: str, data: bytes) -> list[tuple[int, dict[str, Any
                 url=source,
             )
         out.append((n, row))
-    type_jsonl([row for _, row in out])
+    type_jsonl([row for _, row in out], keep)
     return out
 
 

@@ -177,3 +177,17 @@ def test_fields_json_has_no_type_for_come_back_as_they_were() -> None:
     with pytest.raises(ConfigError, match=r"index i\.csv line 7: a field of sample 'z' cannot be kept"):
         SampleTable("s3://b/d", [("z", [Member("z.jpg", 1, "e", "jpg", 7)], {"f": object()})],
                     where="index i.csv line {}")  # fmt: skip
+
+
+def test_an_index_keeps_its_own_columns_as_written(tmp_path: Any) -> None:
+    """key, size, etag and version_id are blobdata's columns, not typed: a bad size is named at its line."""
+    from blobdata._listing.index import read_index
+
+    index = tmp_path / "i.jsonl"
+    index.write_text('{"key": "a.txt", "size": 3}\n{"key": "b.txt", "size": 2.5}\n')
+    with pytest.raises(ConfigError, match=r"i\.jsonl line 2: size 2\.5 of file:///d/b\.txt is not a whole"):
+        read_index("file:///d", str(index), storage_options={})
+    index = tmp_path / "i.csv"
+    index.write_text("key,size,etag\na.txt,3,007\nb.txt,,1e3\n")
+    samples, _ = read_index("file:///d", str(index), storage_options={})
+    assert [(m.size, m.identity) for _, ms, _ in samples for m in ms] == [(3, "007"), (-1, "1e3")]
