@@ -164,6 +164,11 @@ def test_parquet_metadata_timestamps_dates_and_bytes_as_hugging_face_gives_them(
         s = ds[1]
         assert s["taken"] == datetime.datetime(2024, 1, 2, 5, 6, 7, 123000) and s["raw"] == b"\x01\xff"
         assert s["day"] == datetime.date(2024, 2, 2) and s["utc"] == datetime.datetime(2024, 1, 2, tzinfo=utc)
+    index = io.BytesIO()  # the same columns in an index: the same fields
+    pq.write_table(table.rename_columns(["key", *table.column_names[1:]]), index)
+    (tmp_path / "index.parquet").write_bytes(index.getvalue())
+    ds = BlobDataset(root, index=tmp_path / "index.parquet", decoders=False)
+    _same_as_hugging_face(ds, [dict(r) for r in theirs], {"image": "png"})
 
 
 # -- webdataset: member names ---------------------------------------------------------------------
