@@ -39,7 +39,9 @@ class _FileColumns:
     """The columns that name objects (``file_name``, ``<name>_file_names``, ...): read as text."""
 
     def __contains__(self, column: object) -> bool:
-        return isinstance(column, str) and column.endswith(("file_name", "file_names"))
+        return isinstance(column, str) and (
+            column in ("file_name", "file_names") or column.endswith(("_file_name", "_file_names"))
+        )
 
 
 _FILE_COLUMNS = _FileColumns()

@@ -76,13 +76,13 @@ def test_metadata_csv_columns_typed_as_hugging_face_types_them(tmp_path: Path, s
     tree = {n: (_png(i) if n.endswith("Png") else _jpeg(i)) for i, n in enumerate(names)}
     rows = [
         {"file_name": names[0], "speaker": "007", "caption": "1984", "label": 7, "score": 1,
-         "flag": "True", "maybe": 3, "extreme": "nan"},
+         "flag": "True", "maybe": 3, "extreme": "nan", "profile_name": 1},
         {"file_name": names[1], "speaker": "x12", "caption": "a cat", "label": 3, "score": 0.5,
-         "flag": "False", "maybe": "", "extreme": "inf"},
+         "flag": "False", "maybe": "", "extreme": "inf", "profile_name": 2},
         {"file_name": names[2], "speaker": "9", "caption": "1e3", "label": 12, "score": 2,
-         "flag": "true", "maybe": "NA", "extreme": "-inf"},
+         "flag": "true", "maybe": "NA", "extreme": "-inf", "profile_name": 3},
         {"file_name": names[3], "speaker": "010", "caption": "", "label": 0, "score": 3,
-         "flag": "FALSE", "maybe": 4, "extreme": "1.5"},
+         "flag": "FALSE", "maybe": 4, "extreme": "1.5", "profile_name": 4},
     ]  # fmt: skip
     tree["metadata.csv"] = _csv(rows)
     root, places = _where(tmp_path, s3_bucket, tree)
