@@ -13,6 +13,7 @@ module             its one job
 ``metadata``       Hugging Face's metadata files (``file_name`` columns) as samples
 ``index``          index files and S3 Inventory reports instead of a listing
 ``tables``         rows of a CSV, JSONL or Parquet file, local or in a bucket
+``columns``        their columns typed as the owners type them (pandas for CSV, pyarrow for JSONL)
 ``build``          which of those makes a BlobDataset's samples
 ``tablefile``      a SampleTable saved (an index converted once) and loaded without parsing
 =================  ==========================================================================
