@@ -52,14 +52,17 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
 
     * **A folder** (no ``index``, no metadata file): every object below ``url`` belongs to the sample of
       its key, webdataset's rule: the path relative to ``url`` up to the first dot of the file name, the
-      rest being the member's name (``a/x.seg.png`` is member ``"seg.png"`` of sample ``"a/x"``).
+      rest, lower-cased, being the member's name (``a/x.seg.PNG`` is member ``"seg.png"`` of sample
+      ``"a/x"``; ``x.JPG`` next to ``x.jpg`` is refused, as webdataset refuses it). Objects in hidden or
+      special folders (``.ipynb_checkpoints/``, ``__MACOSX/``) are skipped, as Hugging Face skips them.
       Samples are sorted by key.
     * **A metadata file** (``metadata.jsonl``, ``metadata.csv`` or ``metadata.parquet`` at ``url``,
       found by itself, or ``metadata=`` a path relative to ``url``, a local path or a URL): one sample per
       row, as Hugging Face's ``imagefolder``. ``file_name`` names the main object (its member is named
       by its extension, as in a folder), ``<name>_file_name`` another (member ``<name>``),
       ``file_names`` / ``<name>_file_names`` lists of them (members ``"files"`` / ``<name>``, lists);
-      every other column is a field of the sample.
+      every other column is a field of the sample, typed as Hugging Face types it (a CSV column as a
+      whole, as pandas does; a key a JSON Lines row lacks is None).
     * **An index** (``index=`` a CSV, JSONL or Parquet file, or an S3 Inventory ``manifest.json``): its
       rows name the objects (column ``key``, relative to ``url``; optional ``size``, ``etag``; any other
       column is a field of the row's sample), grouped by the key rule. No listing request is made;

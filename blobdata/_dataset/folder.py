@@ -30,7 +30,15 @@ from .._stores import list_requests, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .ahead import Stopped
 from .base import BlobDatasetBase, OnError, legacy_keywords, resolve_cache
-from .imagefolder import Building, ImageFolderContract, apply_overrides, building, every, path_prefix
+from .imagefolder import (
+    Building,
+    ImageFolderContract,
+    apply_overrides,
+    building,
+    every,
+    hidden_classes,
+    path_prefix,
+)
 from .reads import Objects
 
 __all__ = ["FolderDataset"]
@@ -71,6 +79,9 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
     share_listing:    under torchrun or an initialised process group, rank 0 lists and the others
                       receive its manifest (default True; a collective call: pass False for a dataset
                       made on one rank only).
+    skip_hidden:      skip class folders whose name starts with ``.`` or ``__`` (``.ipynb_checkpoints``,
+                      macOS's ``__MACOSX``), as Hugging Face does (default False: they are classes, as in
+                      torchvision's ImageFolder, with a warning naming each).
 
     Still accepted, for code written against earlier releases: ``lookahead=`` and
     ``lookahead_bytes=`` (the same as ``FetchOptions(lookahead=..., lookahead_bytes=...)``), and
@@ -97,6 +108,7 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         on_error: OnError = "raise",
         fetch_options: FetchOptions | None = None,
         share_listing: bool = True,
+        skip_hidden: bool = False,
         **legacy: Any,
     ) -> None:
         old = legacy_keywords("FolderDataset", legacy)
@@ -127,7 +139,7 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
             manifest=os.fspath(manifest) if manifest is not None else None,
             extensions=exts,
             is_valid_file=valid,
-            allow_empty=allow_empty or own_find,
+            allow_empty=allow_empty or own_find or skip_hidden,
             fetch_options=self.fetch_options,
             max_age=listing_max_age,
             local_root=self._local_root,
@@ -135,6 +147,8 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         key = repr(listing_params(exts, valid))
         lists = list_requests()
         listed = shared_manifest(self._url, make, key=key) if share_listing else make()
+        if not own_find:  # hidden and special class folders: skipped, or said (a subclass chose its own)
+            listed = hidden_classes(listed, self._url, skip_hidden, allow_empty) or listed
         self.list_requests = list_requests() - lists  # LIST requests its listing took (remembered: none)
         self._manifest, self._targets = listed, listed.targets
         self.classes: list[str] = list(listed.classes)

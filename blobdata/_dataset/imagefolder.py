@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, overload
 
@@ -31,6 +32,9 @@ __all__ = [
     "default_find_classes",
     "default_make_dataset",
     "every",
+    "hidden_classes",
+    "is_hidden_class",
+    "of_classes",
     "select",
     "subset_by_paths",
 ]
@@ -253,6 +257,15 @@ def apply_overrides(
         )
         manifest, targets = subset_by_paths(listed, ds._local_root, samples, "make_dataset")
         return manifest, targets, list(classes), dict(class_to_idx)
+    manifest, targets = of_classes(listed, class_to_idx, allow_empty)
+    return manifest, targets, list(classes), dict(class_to_idx)
+
+
+def of_classes(
+    listed: Manifest, class_to_idx: Mapping[str, int], allow_empty: bool
+) -> tuple[Manifest, npt.NDArray[Any]]:
+    """The samples of ``listed`` in the class folders ``class_to_idx`` names, and their targets by it;
+    unless ``allow_empty``, EmptyDatasetError for a class with none."""
     remap = np.full(len(listed.classes), -1, dtype=np.int64)
     for folder, j in class_to_idx.items():
         if folder in listed.classes:
@@ -264,7 +277,51 @@ def apply_overrides(
         raise EmptyDatasetError(
             f"Found no valid file for the classes {', '.join(empty)} under {listed.root}.", url=listed.root
         )
-    return manifest, remap[manifest.targets], list(classes), dict(class_to_idx)
+    return manifest, remap[manifest.targets]
+
+
+def is_hidden_class(name: str) -> bool:
+    """A hidden (``.ipynb_checkpoints``) or special (``__MACOSX``) folder: one Hugging Face skips."""
+    return name.startswith((".", "__"))
+
+
+def hidden_classes(listed: Manifest, url: str, skip: bool, allow_empty: bool) -> Manifest | None:
+    """With ``skip`` (``skip_hidden=True``): the listing without its hidden and special class folders
+    (None when it has none). Without: None, after a warning naming each such folder, which torchvision
+    makes a class as blobdata does (a ``__MACOSX`` left by unzipping on a Mac shifts every label)."""
+    hidden = [c for c in listed.classes if is_hidden_class(c)]
+    if not skip:
+        for c in hidden:
+            warnings.warn(
+                f"class folder {c!r} of {url} is a hidden or special folder (as macOS's __MACOSX or "
+                f"Jupyter's .ipynb_checkpoints are): it is class {listed.classes.index(c)} of "
+                f"{len(listed.classes)}, as in torchvision's ImageFolder, and shifts the labels of the "
+                "classes after it; pass skip_hidden=True to skip folders whose name starts with '.' or "
+                "'__', as Hugging Face does",
+                UserWarning,
+                stacklevel=3,
+            )
+        return None
+    if not hidden:
+        empty = [c for c, n in zip(listed.classes, listed.class_counts(), strict=True) if n == 0]
+        if empty and not allow_empty:
+            raise EmptyDatasetError(
+                f"Found no valid file for the classes {', '.join(sorted(empty))} under {listed.root}. Pass "
+                "allow_empty=True to accept empty classes.",
+                url=listed.root,
+            )
+        return None
+    kept = [c for c in listed.classes if not is_hidden_class(c)]
+    if not kept:
+        raise EmptyDatasetError(
+            f"Couldn't find any class folder in {url} but hidden or special ones ({', '.join(hidden)}), "
+            "which skip_hidden=True skips",
+            url=url,
+        )
+    manifest, targets = of_classes(listed, {c: i for i, c in enumerate(kept)}, allow_empty)
+    arrays = {**manifest._arrays(), "targets": targets}
+    at, skipped, params = listed.listed_at, listed.skipped, listed.params
+    return Manifest.from_arrays(manifest.root, kept, **arrays, listed_at=at, skipped=skipped, params=params)
 
 
 class ImageFolderContract:
@@ -325,4 +382,3 @@ class ImageFolderContract:
     @targets.setter
     def targets(self, value: Sequence[Any]) -> None:
         self._targets_list = list(value)
-

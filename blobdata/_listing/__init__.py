@@ -14,6 +14,7 @@ module             its one job
 ``index``          index files and S3 Inventory reports instead of a listing
 ``tables``         rows of a CSV, JSONL or Parquet file, local or in a bucket
 ``parquet``        a Parquet file's rows, a row group and a batch at a time, each bounded
+``columns``        their columns typed as the owners type them (pandas for CSV, pyarrow for JSONL)
 ``build``          which of those makes a BlobDataset's samples
 ``tablefile``      a SampleTable saved (an index converted once) and loaded without parsing
 =================  ==========================================================================

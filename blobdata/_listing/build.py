@@ -78,10 +78,21 @@ def build_table(
             [listing.identity(j) for j in range(len(listing))],
             strict=True,
         )
-        grouped, left = group_listing(root, entries)
+        grouped, left, hidden = group_listing(root, entries)
         if left:
             logger.info("%d object(s) under %s have no extension and belong to no sample, e.g. %s",
                         len(left), root, printable(", ".join(left[:3])))  # fmt: skip
+        if hidden:
+            logger.info("%d object(s) under %s lie in hidden or special folders (.x/, __x/), which Hugging "
+                        "Face skips too, and belong to no sample, e.g. %s", len(hidden), root,
+                        printable(", ".join(hidden[:3])))  # fmt: skip
+            if not grouped:
+                raise EmptyDatasetError(
+                    f"no sample in {root}: its {len(hidden)} object(s) with an extension all lie in hidden "
+                    f"or special folders (e.g. {root}/{hidden[0]}), which a listing skips as Hugging Face "
+                    "does; name them in an index= or a metadata file to read them",
+                    url=root,
+                )
         return _table(root, grouped, root, "", listing)
     found = metadata
 

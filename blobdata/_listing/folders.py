@@ -110,6 +110,12 @@ def _check_nonempty(manifest: Manifest, extensions: tuple[str, ...] | None) -> N
         if extensions is not None:
             msg += f"Supported extensions are: {', '.join(extensions)}. "
         msg += "Pass allow_empty=True (blobdata --allow-empty) to accept empty classes."
+        hidden = [c for c in sorted(empty) if c.startswith((".", "__"))]
+        if hidden:
+            msg += (
+                f" {', '.join(hidden)}: a hidden or special folder (as Jupyter's .ipynb_checkpoints is); "
+                "FolderDataset(..., skip_hidden=True) skips such folders, as Hugging Face does."
+            )
         raise EmptyDatasetError(msg, url=manifest.root)
 
 

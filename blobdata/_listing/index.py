@@ -5,7 +5,9 @@ it) and optional ``size`` (bytes), ``etag`` (quotes optional) and ``version_id``
 column is a field of the row's sample. Rows are grouped into samples by webdataset's key rule. Or an S3
 Inventory report: its ``manifest.json`` (local or a URL) and the CSV (gzipped, columns named by
 ``fileSchema``, keys URL-encoded) or Parquet files it lists in its destination bucket; the rows of the
-dataset's bucket below its prefix are kept. No listing request is made either way.
+dataset's bucket below its prefix are kept, and of a report of all versions (``IsLatest`` and
+``IsDeleteMarker`` columns) only the current versions that are not delete markers, the objects a
+listing shows. No listing request is made either way.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, BinaryIO
 from .._errors import ConfigError
 from .._stores import listed_size
 from .._url import parse_url
-from .samples import Member, relative_key, split_key
+from .samples import Member, relative_key, same_member, split_key
 from .tables import format_of, open_bytes, place, read_bytes, rows
 
 __all__ = ["read_index"]
@@ -53,6 +55,7 @@ def read_index(
 
 def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], tmpl: str) -> list[Sample]:
     groups: dict[str, tuple[list[Member], dict[str, Any], dict[str, int]]] = {}
+    columns: dict[str, None] = {}  # the fields' columns, each in every sample (None where no row gave it)
     for n, row in found:
         value = row.get("key")
         if isinstance(value, str) and value and _SUSPECT.search(value) is None:
@@ -97,7 +100,11 @@ def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], t
         if row.keys() <= _KNOWN:
             continue
         for column, value in row.items():
-            if column in _KNOWN or value is None:  # an empty cell says nothing
+            if column in _KNOWN:
+                continue
+            if value is None:  # an empty cell says nothing
+                if column not in columns:
+                    columns[column] = None
                 continue
             if column in fields and fields[column] != value:
                 raise ConfigError(
@@ -106,6 +113,8 @@ def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], t
                     url=index,
                 )
             fields[column], origin[column] = value, n
+            if column not in columns:
+                columns[column] = None
     if not groups:
         raise ConfigError(f"index {index} names no object below {root}", url=index)
     out: list[Sample] = []
@@ -115,16 +124,18 @@ def _group(root: str, index: str, found: Iterable[tuple[int, dict[str, Any]]], t
             members.sort(key=lambda m: m.name)
         for a, b in itertools.pairwise(members):
             if a.name == b.name:
-                what = (
-                    f"name {root}/{a.relkey}"
-                    if a.relkey == b.relkey
-                    else f"give member {a.name!r} of {key!r}"
-                )
-                first, second = sorted((a.where, b.where))
+                (first, x), (second, y) = sorted(((a.where, a.relkey), (b.where, b.relkey)))
+                if x == y:
+                    what, fix = f"name {root}/{x}", "one row per object"
+                else:
+                    what = f"give member {a.name!r} of {key!r} ({root}/{x} and {root}/{y})"
+                    fix = same_member(x, y) if x.lower() == y.lower() else "one row per object"
                 raise ConfigError(
-                    f"{tmpl.format(first)} and {tmpl.format(second)} both {what}: one row per object",
-                    url=index,
+                    f"{tmpl.format(first)} and {tmpl.format(second)} both {what}: {fix}", url=index
                 )
+        if len(fields) < len(columns):
+            for column in columns:
+                fields.setdefault(column, None)
         out.append((key, members, fields))
     return out
 
@@ -156,7 +167,7 @@ def _inventory(
         fmt = str(manifest["fileFormat"]).lower()
         files = [str(f["key"]) for f in manifest["files"]]
         dest = str(manifest["destinationBucket"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ConfigError(
             f"S3 Inventory manifest {source} lacks fileFormat, files or destinationBucket ({exc!r})",
             url=source,
@@ -187,6 +198,8 @@ def _inventory(
                     continue
                 if key.endswith("/"):
                     continue  # a folder marker
+                if _said(row.get("is_latest"), False) or _said(row.get("is_delete_marker"), True):
+                    continue  # an all-versions report: only current versions that are not delete markers
                 count += 1
                 yield (
                     count,
@@ -197,6 +210,14 @@ def _inventory(
                         "version_id": row.get("version_id"),
                     },
                 )
+
+
+def _said(value: Any, which: bool) -> bool:
+    """Whether an inventory's boolean column says ``which`` (Parquet: a bool; CSV: ``true``/``false``);
+    an absent or empty value says nothing."""
+    if isinstance(value, str):
+        return value.strip().lower() == ("true" if which else "false")
+    return value is which
 
 
 def _snake(name: str) -> str:

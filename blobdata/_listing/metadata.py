@@ -2,11 +2,12 @@
 
 ``file_name`` names the sample's main object (relative to the dataset's URL); ``<name>_file_name``
 another object, member ``<name>``; ``file_names`` and ``<name>_file_names`` lists of objects, members
-``files`` and ``<name>`` (lists). Every other column is a field of the sample. The sample's key is the
-main object's by webdataset's rule, and its member is named as in a folder (``x.jpg``: ``"jpg"``), so a
-transform reads the same dict whether or not a metadata file is there. A row naming an object that is
-not there, a bad row, an object outside the dataset's URL and two rows for one key are errors naming
-the file and the line.
+``files`` and ``<name>`` (lists). Every other column is a field of the sample (typed as Hugging Face
+types it: :mod:`blobdata._listing.columns`). The sample's key is the main object's by webdataset's rule
+(in a row of ``file_names`` only, the first object's), and its member is named as in a folder
+(``x.JPG``: ``"jpg"``), so a transform reads the same dict whether or not a metadata file is there. A
+row naming an object that is not there, a bad row, an object outside the dataset's URL and two rows for
+one key are errors naming the file and the line.
 """
 
 from __future__ import annotations
@@ -34,9 +35,21 @@ def find_metadata(relkeys: Sequence[str], names: Sequence[str]) -> str | None:
     return None
 
 
+class _FileColumns:
+    """The columns that name objects (``file_name``, ``<name>_file_names``, ...): read as text."""
+
+    def __contains__(self, column: object) -> bool:
+        return isinstance(column, str) and (
+            column in ("file_name", "file_names") or column.endswith(("_file_name", "_file_names"))
+        )
+
+
+_FILE_COLUMNS = _FileColumns()
+
+
 def _list(value: Any, where: str, column: str) -> list[Any]:
     if isinstance(value, str) and value.startswith("["):
-        with contextlib.suppress(ValueError):
+        with contextlib.suppress(ValueError, RecursionError):
             value = json.loads(value)
     if isinstance(value, str):
         return [value]
@@ -60,19 +73,20 @@ def samples_from_metadata(
     fmt = format_of(source)
     tmpl = place(source, fmt, "metadata")
     out: dict[str, tuple[str, Sample]] = {}
-    for n, row in rows(source, data, fmt, what="metadata"):
+    for n, row in rows(source, data, fmt, what="metadata", keep=_FILE_COLUMNS):
         where = tmpl.format(n)
         members: list[Member] = []
         fields: dict[str, Any] = {}
-        key: str | None = None
+        main: str | None = None  # the object that gives the sample its key
         for column, value in row.items():
             if column == "file_name" or column.endswith("_file_name"):
-                if value is None and column != "file_name":
+                if value is None:  # an empty cell, a key absent from this row: no object
                     continue
                 rel = relative_key(value, root, where, column)
                 if column == "file_name":
                     split = split_key(rel)
-                    key, name = split if split is not None else (rel, "file")
+                    name = split[1] if split is not None else "file"
+                    main = rel
                 else:
                     name = column[: -len("_file_name")]
                 members.append(_member(root, rel, name, where, n, objects))
@@ -84,11 +98,15 @@ def samples_from_metadata(
                     )
             else:
                 fields[column] = value
-        if key is None:
+        if not members:
             raise ConfigError(
                 f"{where} has no file_name: each row of a metadata file names its object in a file_name "
-                "column", url=source,
+                "column (or its objects in file_names, <name>_file_name or <name>_file_names)", url=source,
             )  # fmt: skip
+        if main is None:  # a row of file_names only (views of one sample): the first object names it
+            main = members[0].relkey
+        split = split_key(main)
+        key = split[0] if split is not None else main
         if key in out:
             raise ConfigError(
                 f"{where} and {out[key][0]} both describe sample {key!r}: one row per sample", url=source

@@ -1,23 +1,30 @@
 """Samples of several objects: webdataset's key rule, and the table a :class:`~blobdata.BlobDataset` reads.
 
 The key rule (webdataset's ``base_plus_ext``): an object's key is its path relative to the dataset root
-up to the first dot of its base name, and the rest is the member's name, so ``a/x.seg.png`` is member
-``seg.png`` of sample ``a/x``. A name with no dot after its first character (``README``,
-``.hidden``) belongs to no sample. Samples are sorted by key (code point order); a sample's members
-by name.
+up to the first dot of its base name, and the rest, lower-cased (webdataset's ``lcase``), is the member's
+name, so ``a/x.seg.PNG`` is member ``seg.png`` of sample ``a/x``; two objects whose names differ only in
+case (``x.JPG``, ``x.jpg``) are refused, as webdataset refuses them. A name with no dot after its first
+character (``README``, ``.hidden``) belongs to no sample, and so, in a listing, does an object in a
+hidden (``.x/``) or special (``__x/``) folder, which Hugging Face skips (``__MACOSX/``,
+``.ipynb_checkpoints/``). Samples are sorted by key (code point order); a sample's members by name.
 
 The table is a few numpy arrays (no Python object per sample, so forked DataLoader workers share its
 pages): one row per *object* in sample order (key relative to the root, size, identity, the member's
 name), ``offsets`` giving each sample's rows, each sample's key, and its fields (the extra columns of a
-metadata or index file) as one JSON text per sample, parsed only when the sample is read. A size of
-``-1`` or an identity of ``""`` is not known yet (an index without them): learned at the first read.
+metadata or index file) as one JSON text per sample, parsed only when the sample is read (values JSON
+has no type for, a Parquet file's timestamps, dates, times, durations, decimals and bytes, are kept
+tagged and given back as pyarrow gives them). A size of ``-1`` or an identity of ``""`` is not known
+yet (an index without them): learned at the first read.
 """
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import itertools
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
@@ -37,7 +44,15 @@ def split_key(relkey: str) -> tuple[str, str] | None:
     dot = base.find(".", 1) if not base.startswith(".") else -1
     if dot <= 0 or dot == len(base) - 1:
         return None
-    return head + sep + base[:dot], base[dot + 1 :]
+    return head + sep + base[:dot], base[dot + 1 :].lower()
+
+
+def in_hidden_folder(relkey: str) -> bool:
+    """Whether ``relkey`` lies in a folder whose name starts with ``.`` or ``__`` (below the root), which
+    Hugging Face's folder loaders skip."""
+    if "/." not in relkey and "/__" not in relkey and not relkey.startswith((".", "__")):
+        return False  # the common case, without splitting
+    return any(p.startswith((".", "__")) for p in relkey.split("/")[:-1])
 
 
 class Member(NamedTuple):
@@ -101,10 +116,7 @@ class SampleTable:
         np.cumsum(counts, out=self.offsets[1:])
         self._keys, self._keys_off = _join([k for k, _, _ in samples])
         self._fields, self._fields_off = _join(
-            [
-                json.dumps(dict(f), ensure_ascii=False, separators=(",", ":")) if f else ""
-                for _, _, f in samples
-            ]
+            [_encode(k, f, ms, where) if f else "" for k, ms, f in samples]
         )
 
     #: The arrays of a table, in their order on disk (:mod:`blobdata._listing.tablefile`), and their dtypes.
@@ -204,7 +216,11 @@ class SampleTable:
 
     def fields(self, i: int) -> dict[str, Any]:
         text = _strings(self._fields, self._fields_off, i)
-        return dict(json.loads(text)) if text else {}
+        if not text:
+            return {}
+        if text[0] == _TAGGED:
+            return dict(json.loads(text[1:], object_hook=_revive))
+        return dict(json.loads(text))
 
     def sample_bytes(self, i: int) -> int:
         """Bytes sample ``i`` reads, as far as known (unknown sizes count 0)."""
@@ -212,19 +228,84 @@ class SampleTable:
         return int(np.clip(self.sizes[a:b], 0, None).sum())
 
 
+# -- fields: JSON, and tagged values for what JSON has no type for --------------------------------
+# A sample's fields are one JSON text. When a value has no JSON type (a Parquet file's timestamp, date,
+# time, duration, decimal or bytes), the text starts with _TAGGED and each such value is an object
+# {_TAG: kind, "v": text}; an object of the data that has a _TAG key of its own is kept as
+# {_TAG: "dict", "v": [[key, value], ...]}, so no value of the data is ever read as a tag.
+_TAGGED, _TAG = "\x01", "\x00blobdata"
+_KINDS: dict[type, tuple[str, Callable[[Any], Any]]] = {
+    datetime.datetime: ("datetime", datetime.datetime.isoformat),
+    datetime.date: ("date", datetime.date.isoformat),
+    datetime.time: ("time", datetime.time.isoformat),
+    datetime.timedelta: ("timedelta", lambda v: [v.days, v.seconds, v.microseconds]),
+    decimal.Decimal: ("decimal", str),
+    bytes: ("bytes", lambda v: base64.b64encode(v).decode("ascii")),
+}
+_REVIVE: dict[str, Callable[[Any], Any]] = {
+    "datetime": datetime.datetime.fromisoformat,
+    "date": datetime.date.fromisoformat,
+    "time": datetime.time.fromisoformat,
+    "timedelta": lambda v: datetime.timedelta(days=v[0], seconds=v[1], microseconds=v[2]),
+    "decimal": decimal.Decimal,
+    "bytes": base64.b64decode,
+    "dict": dict,
+}
+
+
+def _encode(key: str, fields: Mapping[str, Any], members: Sequence[Member], where: str) -> str:
+    try:
+        return json.dumps(dict(fields), ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError):
+        pass  # a value JSON has no type for (or a circular one): tagged below, or refused
+    try:
+        return _TAGGED + json.dumps(_tagged(fields), ensure_ascii=False, separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as exc:
+        place = where.format(members[0].where) if where and members else f"sample {key!r}"
+        raise ConfigError(
+            f"{place}: a field of sample {key!r} cannot be kept ({exc}); blobdata keeps JSON values, "
+            "timestamps, dates, times, durations, decimals and bytes",
+            url=place,
+        ) from None
+
+
+def _tagged(value: Any) -> Any:
+    t = type(value)
+    if t is dict:
+        out = {k: _tagged(v) for k, v in value.items()}
+        return {_TAG: "dict", "v": [[k, v] for k, v in out.items()]} if _TAG in value else out
+    if t is list or t is tuple:
+        return [_tagged(v) for v in value]
+    kind = _KINDS.get(t) or next((k for c, k in _KINDS.items() if isinstance(value, c)), None)
+    if kind is None:
+        return value  # JSON's own (or refused by json.dumps)
+    return {_TAG: kind[0], "v": kind[1](value)}
+
+
+def _revive(obj: dict[str, Any]) -> Any:
+    kind = obj.get(_TAG)
+    if kind is None or len(obj) != 2:
+        return obj
+    return _REVIVE[kind](obj["v"])
+
+
 def group_listing(
     root: str, entries: Iterable[tuple[str, int, str]], *, skip: Iterable[str] = ()
-) -> tuple[list[tuple[str, list[Member], None]], list[str]]:
-    """Listed objects grouped into samples by the key rule, sorted; also the objects left out (no
-    extension, folder markers, ``skip``)."""
+) -> tuple[list[tuple[str, list[Member], None]], list[str], list[str]]:
+    """Listed objects grouped into samples by the key rule, sorted; also the objects left out: those
+    with no extension (and folder markers, ``skip``), and those in hidden or special folders."""
     drop = set(skip)
     groups: dict[str, list[Member]] = {}
     left: list[str] = []
+    hidden: list[str] = []
     for relkey, size, ident in entries:
         split = None if relkey.endswith("/") or relkey in drop else split_key(relkey)
         if split is None:
             if not relkey.endswith("/"):
                 left.append(relkey)
+            continue
+        if in_hidden_folder(relkey):
+            hidden.append(relkey)
             continue
         key, name = split
         groups.setdefault(key, []).append(Member(relkey, size, ident, name))
@@ -232,14 +313,24 @@ def group_listing(
     for key in sorted(groups):
         ms = sorted(groups[key], key=lambda m: m.name)
         for a, b in itertools.pairwise(ms):
-            if a.name == b.name:  # only where two spellings of a key list the same (a store's quirk)
+            if a.name == b.name:
                 raise ConfigError(
                     f"sample {key!r} of {root} has two objects for member {a.name!r}: {root}/{a.relkey} and "
-                    f"{root}/{b.relkey}; rename one",
+                    f"{root}/{b.relkey}; {same_member(a.relkey, b.relkey)}",
                     url=f"{root}/{a.relkey}",
                 )
         out.append((key, ms, None))
-    return out, left
+    return out, left, hidden
+
+
+def same_member(a: str, b: str) -> str:
+    """What to say of two objects that are one member of one sample."""
+    if a != b and a.lower() == b.lower():
+        return (
+            "their names differ only in case, and a member's name is its extension lower-cased (as "
+            "webdataset reads it, which refuses such a pair too): rename or remove one"
+        )
+    return "rename one"  # two spellings of one key that a store lists alike
 
 
 def relative_key(value: Any, root: str, where: object, column: str) -> str:

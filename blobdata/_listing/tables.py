@@ -1,9 +1,9 @@
 """Rows of a table file (CSV, JSON Lines, Parquet), local or in a bucket, each with where it was read
 (``"metadata.csv line 3"``) so that an error can name the file and the line.
 
-CSV values are text, read as numbers where they are numbers (``"3"`` is ``3``, ``"0.5"`` is ``0.5``) and
-as nothing where empty, as pandas reads them for Hugging Face. Parquet needs ``pyarrow``
-(``pip install pyarrow``); CSV and JSON Lines need nothing.
+A CSV column is typed as a whole, as pandas reads it for Hugging Face, and a JSON Lines column as
+pyarrow reads it (:mod:`blobdata._listing.columns`). Parquet needs ``pyarrow`` (``pip install pyarrow``);
+CSV and JSON Lines need nothing.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import csv
 import io
 import json
 import os
-import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Container, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from .._errors import ConfigError, NotFound
 from .._url import parse_url
+from .columns import MAX_DEPTH, depth, type_csv, type_jsonl
 
 if TYPE_CHECKING:
     from .._fetch import FetchEngine
@@ -117,29 +117,18 @@ def open_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: 
         run(engine.aclose())
 
 
-_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-
-
-def _number(text: str) -> Any:
-    if text == "":
-        return None
-    if _NUMBER.fullmatch(text) is None:
-        return text
-    return int(text) if text.lstrip("+-").isdigit() else float(text)
-
-
 def place(source: str, fmt: str, what: str) -> str:
     """Where a row of ``source`` is, as a template of its number: ``"index x.csv line {}"``."""
     return f"{what} {source} {'row' if fmt == 'parquet' else 'line'} {{}}"
 
 
 def rows(
-    source: str, data: bytes | BinaryIO, fmt: str, *, what: str, keep: frozenset[str] = frozenset()
+    source: str, data: bytes | BinaryIO, fmt: str, *, what: str, keep: Container[str] = frozenset()
 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(n, row)`` for every row of ``data`` (the bytes of ``source``; for Parquet, or a seekable file of
-    them: :func:`open_bytes`), ``n`` its line (its row number in Parquet; :func:`place` names it); CSV
-    columns in ``keep`` stay text (no number read from them). Parquet is read row group by row group, a
-    batch of rows at a time, each bounded (:mod:`blobdata._listing.parquet`)."""
+    them: :func:`open_bytes`), ``n`` its line (its row number in Parquet; :func:`place` names it); columns
+    in ``keep`` are not typed (CSV: text as read). Parquet is read row group by row group, a batch of rows
+    at a time, each bounded (:mod:`blobdata._listing.parquet`)."""
     if fmt == "parquet":
         from .parquet import parquet_rows
 
@@ -149,45 +138,100 @@ def rows(
         data = data.read()
     name = f"{what} {source}"
     if fmt == "jsonl":
-        for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"{name} line {n} is not valid JSON ({exc}): fix or remove it", url=source
-                ) from None
-            if not isinstance(row, dict):
-                raise ConfigError(
-                    f"{name} line {n} is not a JSON object but {type(row).__name__}", url=source
-                )
-            yield n, row
+        yield from _jsonl(name, source, data, keep)
     elif fmt == "csv":
+        yield from _csv(name, source, data, keep)
+    else:
+        raise ConfigError(f"unknown table format {fmt!r} for {source}", url=source)
+
+
+def _jsonl(name: str, source: str, data: bytes, keep: Container[str]) -> list[tuple[int, dict[str, Any]]]:
+    out: list[tuple[int, dict[str, Any]]] = []
+    for n, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        deep = False
         try:
-            text = data.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"{name} is not UTF-8 text ({exc})", url=source) from None
-        reader = csv.reader(io.StringIO(text, newline=""))
+            row = json.loads(line)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{name} line {n} is not valid JSON ({exc}): fix or remove it", url=source
+            ) from None
+        except RecursionError:
+            row, deep = {}, True  # said below, as any value nested too deeply
+        if not isinstance(row, dict):
+            raise ConfigError(f"{name} line {n} is not a JSON object but {type(row).__name__}", url=source)
+        # (a value nested deeper than MAX_DEPTH takes more than 2 * MAX_DEPTH characters)
+        if deep or (len(line) > 2 * MAX_DEPTH and depth(row) > MAX_DEPTH):
+            raise ConfigError(
+                f"{name} line {n} nests lists or objects more than {MAX_DEPTH} levels deep: flatten it, or "
+                "keep such a value in a member file (x.json) of its sample",
+                url=source,
+            )
+        out.append((n, row))
+    type_jsonl([row for _, row in out], keep)
+    return out
+
+
+def _csv(name: str, source: str, data: bytes, keep: Container[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name} is not UTF-8 text ({exc})", url=source) from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
         header = next(reader, None)
         if not header:
             return
-        header = [h.strip() for h in header]
+        header = _unique([h.strip() for h in header])
+        width = len(header)
+        lines: list[int] = []
+        cells: list[list[str]] = []
+        start = reader.line_num + 1  # where the next record starts, for an error in it
         for values in reader:
-            if not values or values == [""]:
-                continue
-            if len(values) != len(header):
-                raise ConfigError(
-                    f"{name} line {reader.line_num} has {len(values)} values where the header names "
-                    f"{len(header)} columns",
-                    url=source,
-                )
-            yield (
-                reader.line_num,
-                {h: v if h in keep else _number(v) for h, v in zip(header, values, strict=True)},
-            )
-    else:
-        raise ConfigError(f"unknown table format {fmt!r} for {source}", url=source)
+            n = reader.line_num
+            start = n + 1
+            if len(values) != width or width == 1:
+                if len(values) <= 1 and (not values or not values[0].strip()):
+                    continue  # a blank line, skipped as pandas skips it
+                if len(values) > width:
+                    raise ConfigError(
+                        f"{name} line {n} has {len(values)} values where the header names {width} columns",
+                        url=source,
+                    )
+                values += [""] * (width - len(values))  # missing values are missing, as pandas reads them
+            lines.append(n)
+            cells.append(values)
+    except csv.Error as exc:
+        limit = csv.field_size_limit()
+        why = f"a value longer than {limit // 1024} KiB" if "field larger" in str(exc) else str(exc)
+        raise ConfigError(
+            f"{name} line {start} cannot be read as CSV ({why}): keep long text in a member "
+            "file (x.txt) of its sample, or give the table as JSON Lines or Parquet",
+            url=source,
+        ) from None
+    columns = type_csv(header, cells, keep)
+    for n, typed in zip(lines, zip(*columns, strict=True), strict=True):
+        yield n, dict(zip(header, typed, strict=True))
+
+
+def _unique(header: list[str]) -> list[str]:
+    """Column names made unique as pandas makes them: a second ``a`` is ``a.1`` (or ``a.2`` when there
+    is an ``a.1``), and an empty name ``Unnamed: <its position>``."""
+    names = [h or f"Unnamed: {j}" for j, h in enumerate(header)]
+    taken = set(names)
+    seen: set[str] = set()
+    out = []
+    for h in names:
+        if h in seen:
+            k = 1
+            while f"{h}.{k}" in taken:
+                k += 1
+            h = f"{h}.{k}"
+            taken.add(h)
+        seen.add(h)
+        out.append(h)
+    return out
 
 
 def resolve(source: str, root: str) -> str:
