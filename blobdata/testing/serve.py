@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
         ]
         lines += next_commands(url, args.cache_dir)
         lines += ["", "Serving until Ctrl-C (the data goes with the server)."]
+        serving = True  # before the line is out: a signal sent on reading it finds the server serving
         print("\n".join(lines), file=out, flush=True)
-        serving = True
         code = server.wait()  # until Ctrl-C (KeyboardInterrupt) or SIGTERM (made one, above)
         print(
             f"blobdata serve: the S3 server exited on its own (code {code}); its log:\n{server.log_tail()}",
