@@ -27,6 +27,7 @@ def test_all_is_sorted_and_exact() -> None:
         "LoaderStats",
         "Manifest",
         "ManifestError",
+        "MissingMember",
         "NotFound",
         "ObjectChanged",
         "PartitionedSampler",

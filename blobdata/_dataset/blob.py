@@ -23,7 +23,7 @@ import torch.utils.data
 
 from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
-from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
+from .._decode import IMAGE_EXTENSIONS, Sample, decode_member, decoders_for, extension
 from .._errors import BlobdataError, ConfigError, DecodeError, NotFound
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
@@ -115,6 +115,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             max_age=listing_max_age,
             fetch_options=self.fetch_options,
             share=share_listing,
+            skip_missing=on_error == "skip",
         )
         self._learned: dict[int, str] = {}  # object row -> identity learned at its first read (this process)
 
@@ -196,8 +197,13 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             data, got = await self._fetch_object(url, size if size >= 0 else None, identity, learn=True)
         except NotFound as exc:
             where = t.where(j)
-            if where:
-                raise NotFound(f"{url}, named in {where}, does not exist: {exc.message}", url=url) from exc
+            if where:  # an index: what exists is known only by reading it
+                raise NotFound(
+                    f"{url}, named in {where}, does not exist: {exc.message}; `blobdata warm {self._url} "
+                    "--index FILE --cache-dir D` reads every object once and lists all that are missing, "
+                    'and on_error="skip" trains past them',
+                    url=url,
+                ) from exc
             raise
         if not t.identity(j) and got and j not in self._learned:
             self._learned[j] = got
@@ -254,7 +260,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
 
     def _decode(self, i: int, key: str, url: str, data: list[bytes], skip: int = -1) -> dict[str, Any]:
         t = self._table
-        sample: dict[str, Any] = {"__key__": key, "__url__": url}
+        sample = Sample({"__key__": key, "__url__": url})
         for j, body in zip(t.members(i), data, strict=True):
             if j == skip:
                 continue
