@@ -44,6 +44,15 @@ def test_readme_is_short_and_its_links_exist() -> None:
     assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
 
 
+def test_the_blobdataset_examples_are_linked_from_the_readme_and_the_layouts_page() -> None:
+    """Issue 40: the three BlobDataset examples were linked from neither."""
+    layouts = (ROOT / "docs" / "layouts.md").read_text()
+    for name in ("image_caption_pairs.py", "segmentation_metadata.py", "detection_coco_index.py"):
+        assert (ROOT / "examples" / name).is_file()
+        assert f"](examples/{name})" in README, name
+        assert f"`examples/{name}`" in layouts, name
+
+
 def test_readme_local_commands_are_what_serve_prints() -> None:
     blocks = re.findall(r"```bash\n(.*?)```", _section("Try it locally"), re.S)
     pasted = [c for c in _commands(blocks[1]) if not c.startswith(("source ", "export "))]
