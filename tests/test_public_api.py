@@ -112,6 +112,7 @@ def test_testing_all_is_sorted_and_exact() -> None:
         "TrainTransform",
         "create_bucket",
         "find_free_port",
+        "folder_files",
         "s3_client",
         "synthetic_dataset",
         "synthetic_jpeg",
