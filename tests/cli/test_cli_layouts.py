@@ -18,7 +18,7 @@ from test_cli import _env, option_args
 
 from blobdata import BlobDataset, FolderDataset
 
-pytestmark = [pytest.mark.network, pytest.mark.usefixtures("isolated_cache_home")]
+pytestmark = pytest.mark.usefixtures("isolated_cache_home")  # s3_bucket marks its tests network
 
 
 def _jpeg(i: int) -> bytes:
@@ -159,3 +159,26 @@ def test_every_listing_command_documents_the_layout_options() -> None:
     docs = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     for option in ("--classes", "--objects", "--index FILE", "--metadata FILE"):
         assert option in docs
+
+
+@pytest.mark.parametrize(
+    ("keys", "kind"),
+    [
+        (["ä/1.jpg", "ä/2.jpg", "b/3.jpg"], "classes"),
+        (["ä/1.jpg", "ä/1.txt", "b/3.jpg"], "objects"),
+        (["a/x.b", "a/x.d/y.jpg", "a/x.e", "b/z.jpg"], "objects"),  # one sample's files, a folder between
+        (["a/x.jpg", "b/x.jpg", "c/x.d/x.jpg"], "classes"),
+    ],
+)
+def test_detection_reads_every_key_of_the_listing(keys: list[str], kind: str) -> None:
+    """The listing's keys as BlobDataset's own listing has them (non-ASCII too), and samples of several
+    files found wherever their objects sort."""
+    import time
+
+    from blobdata._cli.layout import _relkeys, detect
+    from blobdata._listing import FLAT_PARAMS, Manifest
+
+    m = Manifest.from_entries("s3://b/d", [""], ((k, 1, "e", 0) for k in sorted(keys)), listed_at=time.time(),
+                              params=FLAT_PARAMS)  # fmt: skip
+    assert _relkeys(m) == [m.relkey(j) for j in range(len(m))] == sorted(keys)
+    assert detect(m).kind == kind
