@@ -42,7 +42,9 @@ CLASSES, OBJECTS, METADATA, INDEX = "classes", "objects", "metadata", "index"
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A layout chosen for a folder: ``kind`` (one of the four), ``why`` (asked, or what was found),
-    the metadata file found or named, and the flat listing read to decide (None when asked)."""
+    the metadata file found or named, and BlobDataset's listing of the folder when it was read here (to
+    find the layout, or for ``--objects`` / ``--metadata``; None for an index, ``--classes``, a
+    remembered class listing or ``--manifest``)."""
 
     kind: str
     why: str
