@@ -14,12 +14,14 @@ working around code that moved from local files to a bucket::
     │   ├── FetchTimeout(TimeoutError)   the per-request deadline passed on every attempt
     │   └── ObjectChanged                the object's ETag/generation is not the one listed
     ├── DecodeError(ValueError)          bytes arrived but are not a valid sample
+    ├── MissingMember(KeyError)          a BlobDataset sample has no member of that name (s["jpg"])
     ├── ManifestError(ValueError)        a stored listing is unreadable or for another URL
     └── CacheError(OSError)              the local cache cannot be used (never raised mid-training)
 
 Errors cross DataLoader worker processes, so each one pickles with its message and ``url``; one
 raised in a worker also carries its fields in a note (:func:`note_fields`) that the main process's
-copy reads back, because the DataLoader re-raises a worker's error as ``type(exc)(traceback_text)``.
+copy reads back, and leaves out of its message, because the DataLoader re-raises a worker's error as
+``type(exc)(traceback_text)``.
 Messages name the object URL, what was expected, and what to do; they never contain credentials.
 
 The one error map: :func:`from_status` turns an HTTP status and a store's error code into the error
@@ -45,6 +47,7 @@ __all__ = [
     "FetchError",
     "FetchTimeout",
     "ManifestError",
+    "MissingMember",
     "NotFound",
     "ObjectChanged",
     "Throttled",
@@ -58,11 +61,14 @@ class BlobdataError(Exception):
     """
 
     def __init__(self, message: str, url: str | None = None) -> None:
+        fields: dict[str, Any] = {}
+        if url is None and _FIELDS_NOTE in message:  # rebuilt from a worker's text: the note is internal
+            fields = _fields_from(message)
+            message = "\n".join(ln for ln in message.split("\n") if not ln.strip().startswith(_FIELDS_NOTE))
         super().__init__(message)
         self.message = message
         self.url = url
-        if url is None and _FIELDS_NOTE in message:
-            self.__dict__.update(_fields_from(message))
+        self.__dict__.update(fields)
 
     def __str__(self) -> str:
         return self.message
@@ -152,6 +158,11 @@ class ObjectChanged(FetchError):
 
 class DecodeError(BlobdataError, ValueError):
     """The bytes of an object are not a valid sample (corrupt image, decompression bomb, ...)."""
+
+
+class MissingMember(BlobdataError, KeyError):
+    """A :class:`~blobdata.BlobDataset` sample has no member (or field) of the name asked for, as in a
+    transform's ``sample["jpg"]``; a ``KeyError``, so ``except KeyError`` still catches it."""
 
 
 class ManifestError(BlobdataError, ValueError):

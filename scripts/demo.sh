@@ -5,6 +5,10 @@
 set -euo pipefail
 BLOBDATA_EXTRAS="${BLOBDATA_EXTRAS:-test}"
 BLOBDATA_AZURITE=0  # the demo runs on the S3 server alone: no Azure emulator to install
+printf 'scripts/demo.sh: a local S3 server, a generated dataset, two epochs; usually 1-3 minutes on 2 cores\n'
+if [[ ! -x "$(dirname "$0")/../.venv/bin/python" ]]; then
+    printf '(first run: setting up .venv takes 3-6 minutes more: torch, then the test servers)\n'
+fi
 source "$(dirname "$0")/setup.sh"
 
 step "blobdata demo $*"

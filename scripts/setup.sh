@@ -25,18 +25,28 @@ export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
-step "installing $TORCH_PIN and blobdata[$BLOBDATA_EXTRAS]"
-# pip -q still prints one warning per missing folder of the machine's local indexes: drop those.
+# pip's own output is one line per requirement, already satisfied or not, and one warning per missing
+# folder of the machine's local indexes: only what is being fetched is shown, one line each, so that a
+# first install (3-6 minutes, most of it torch) says what it is doing.
 pip_install() {
-    python -m pip install -q "$@" 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+    local log="$VENV/pip-last.log"
+    if ! python -m pip install "$@" 2>&1 | tee "$log" | {
+        grep -E '^(Collecting|Successfully installed)' | sed -E 's/^Collecting /  fetching /' || true
+    }; then
+        tail -n 40 "$log" >&2
+        echo "pip install $* failed; its whole output: $log" >&2
+        return 1
+    fi
 }
 if ! python -c 'import sys, torch; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' 2>/dev/null; then
+    step "installing $TORCH_PIN (first time: 1-3 minutes)"
     pip_install "$TORCH_PIN"
 fi
 # Reinstall only when pyproject.toml or the extras changed since the last install (~14 s saved per run).
 STAMP="$VENV/.blobdata-installed"
 WANT="$(sha256sum pyproject.toml | cut -d' ' -f1) $BLOBDATA_EXTRAS"
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]] || ! python -c 'import blobdata' 2>/dev/null; then
+    step "installing blobdata[$BLOBDATA_EXTRAS] and what it needs (first time: 1-3 minutes)"
     pip_install -e ".[$BLOBDATA_EXTRAS]"
     printf '%s' "$WANT" >"$STAMP"
 fi
@@ -48,7 +58,7 @@ if [[ "${BLOBDATA_AZURITE:-1}" == "1" ]] && ! command -v azurite-blob >/dev/null
     export PATH="$VENV/npm/bin:$PATH"
     if ! command -v azurite-blob >/dev/null 2>&1; then
         if command -v npm >/dev/null 2>&1; then
-            step "installing azurite with npm into $VENV/npm"
+            step "installing azurite with npm into $VENV/npm (first time: about a minute)"
             npm install --silent --no-audit --no-fund -g --prefix "$VENV/npm" azurite \
                 || echo "warning: npm could not install azurite; the Azurite tests will skip" >&2
         else

@@ -28,6 +28,7 @@ def _pytest(*args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.slow  # sets up every test of the suite in a subprocess
 def test_not_network_starts_no_server() -> None:
     out = _pytest("-m", "not network", f"--ignore={Path(__file__).relative_to(ROOT)}", "tests")
     assert "servers started: none" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -26,7 +26,9 @@ def _bytes_of(f: Any) -> bytes:
     return data
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize(
+    "method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)]  # spawn: workers import torch afresh
+)
 def test_skipped_samples_reach_the_main_process(tmp_path: Path, method: str) -> None:
     ds = FolderDataset(_tree(tmp_path / "d"), loader=_bytes_of, on_error="skip", lookahead=0)
     loader = ds.dataloader(batch_size=2, num_workers=2, multiprocessing_context=method, timeout=60)

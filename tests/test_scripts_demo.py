@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("venv")  # never beside another run of scripts/setup.sh on the same .venv
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "python").exists(), reason="needs the project's .venv")
 def test_demo_setup_does_not_look_for_azurite() -> None:

@@ -175,3 +175,36 @@ def test_serve_says_when_its_server_dies(tmp_path: Path) -> None:
             proc.wait(timeout=10)
     assert proc.returncode == 1, (out, err)
     assert "the S3 server exited on its own (code -9)" in err, err
+
+
+def test_serve_data_refuses_what_it_cannot_serve_before_starting(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a" / "same").mkdir(parents=True)
+    (tmp_path / "b" / "same").mkdir(parents=True)
+    (tmp_path / "a" / "same" / "x.txt").write_text("x")
+    (tmp_path / "b" / "same" / "y.txt").write_text("y")
+    for argv, said in (
+        (["--data", str(tmp_path / "nope")], "no such folder"),
+        (["--data", str(tmp_path / "empty")], "the folder holds no file"),
+        (["--data", str(tmp_path / "a" / "same"), "--data", str(tmp_path / "b" / "same")], "its own name"),
+    ):
+        done = subprocess.run([sys.executable, "-m", "blobdata", "serve", *argv], env=_env(tmp_path),
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2 and said in done.stderr and not done.stdout, (argv, done.stderr)
+
+
+def test_folder_files_names_every_file_as_a_key(tmp_path: Path) -> None:
+    from blobdata.testing import folder_files
+
+    (tmp_path / "d" / "sub" / "deeper").mkdir(parents=True)
+    (tmp_path / "d" / "a b.jpg").write_bytes(b"1")
+    (tmp_path / "d" / "sub" / "deeper" / "x.seg.png").write_bytes(b"2")
+    (tmp_path / "d" / "link.txt").symlink_to(tmp_path / "d" / "a b.jpg")  # read through
+    (tmp_path / "d" / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "d" / "to-dir").symlink_to(tmp_path / "d" / "sub", target_is_directory=True)  # not followed
+    os.mkfifo(tmp_path / "d" / "fifo")
+    os.mkdir(tmp_path / "d" / b"\xff-not-utf8".decode("utf-8", "surrogateescape"))
+    (tmp_path / "d" / b"\xff-not-utf8".decode("utf-8", "surrogateescape") / "z.txt").write_text("z")
+    files, left = folder_files(tmp_path / "d", "mine")
+    assert [k for k, _ in files] == ["mine/a b.jpg", "mine/link.txt", "mine/sub/deeper/x.seg.png"]
+    assert [os.path.basename(p) for p in left] == ["z.txt"]

@@ -6,6 +6,9 @@ module             its one job
 =================  ==========================================================================
 ``main``           the parser, the entry point, exit codes and one-line errors
 ``commands``       what ``ls``, ``warm``, ``cache info|trim|clear`` do
+``layout``         class folders or what BlobDataset reads: asked for, or found; the line saying it
+``ls_samples``     ``ls`` of a folder read as a BlobDataset: samples, members, fields
+``warm_objects``   :func:`blobdata.warm` of a BlobDataset: every member of every sample
 ``warm``           ``blobdata warm`` / :func:`blobdata.warm`: fill a cache ahead of training
 ``warm_summary``   what a warm did (:class:`WarmSummary`) and its exit code
 ``bench``          ``blobdata bench``: where a loader's time goes, with a verdict

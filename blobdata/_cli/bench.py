@@ -85,11 +85,13 @@ class BenchResult:
     def report(self) -> str:
         s, st = self.stats, self.settings
         cost = "  ".join(f"{k} {v:.2f}" for k, v in self.per_sample_ms().items())
+        unit = st.get("unit", "images")
+        per = "img/s" if unit == "images" else f"{unit}/s"
         lines = [
             f"blobdata bench {st['url']}: {st['batches']} batches of {st['batch_size']}, "
             f"{st['workers']} workers, lookahead {st['lookahead']}, cache {st['cache_dir'] or 'none'}, "
             f"transform {st['transform']}",
-            f"  {self.images} images in {self.seconds:.1f} s: {self.images_per_s:.0f} img/s, "
+            f"  {self.images} {unit} in {self.seconds:.1f} s: {self.images_per_s:.0f} {per}, "
             f"{self.mb_per_s:.1f} MB/s, hit rate {s.hit_rate:.0%}",
             f"  per sample (ms, in a worker): {cost}",
             f"  GET: {s.gets} requests, p50 {s.get_p50_s * 1e3:.1f} ms, p99 {s.get_p99_s * 1e3:.1f} ms; "
@@ -190,32 +192,39 @@ def run_bench(
     dataset_kwargs: dict[str, Any] | None = None,
     points: int = 40,
     progress: bool = False,
+    blob: bool = False,
 ) -> BenchResult:
     """Iterate a loader over ``url`` for ``batches`` batches with these settings; measure it.
 
     ``transform=None`` decodes only and does not collate samples into tensors (PIL images do not
     stack). The timeline has about ``points`` points. ``dataset_kwargs`` go to
-    :class:`~blobdata.FolderDataset` (manifest, refresh, fetch_options, extensions).
+    :class:`~blobdata.FolderDataset` (manifest, refresh, fetch_options, extensions), or with ``blob``
+    to :class:`~blobdata.BlobDataset` (index, metadata, manifest, refresh, fetch_options): then
+    ``transform`` applies to each image member of a sample, and the samples, made in the workers, reach
+    the loop as their keys (the unit is a sample, not an image).
     """
     from .._cache import BlobCache
-    from .._dataset import FolderDataset
+    from .._dataset import BlobDataset, FolderDataset
 
     if batches < 1 or batch_size < 1 or workers < 0:
         raise ConfigError("bench needs batches >= 1, batch_size >= 1 and workers >= 0")
-    ds = FolderDataset(
-        url,
-        transform=transform,
-        storage_options=storage_options,
-        cache=BlobCache(cache_dir, size_limit=cache_size) if cache_dir else None,
-        lookahead=lookahead,
-        **(dataset_kwargs or {}),
-    )
+    cache = BlobCache(cache_dir, size_limit=cache_size) if cache_dir else None
+    ds: Any
+    if blob:
+        each = _EachImage(transform) if transform is not None else None
+        ds = BlobDataset(url, transform=each, storage_options=storage_options, cache=cache,
+                         lookahead=lookahead, **(dataset_kwargs or {}))  # fmt: skip
+        collate: Any = _keys_only
+    else:
+        ds = FolderDataset(url, transform=transform, storage_options=storage_options, cache=cache,
+                           lookahead=lookahead, **(dataset_kwargs or {}))  # fmt: skip
+        collate = None if transform is not None else _targets_only
     loader = ds.dataloader(
         batch_size=batch_size,
         shuffle=True,
         num_workers=workers,
         persistent_workers=workers > 0,
-        collate_fn=None if transform is not None else _targets_only,
+        collate_fn=collate,
     )
     bar = _bar(batches, progress)
     images = done = 0
@@ -225,7 +234,7 @@ def run_bench(
     try:
         while done < batches:
             for batch in loader:
-                images += len(batch) if transform is None else len(batch[-1])
+                images += len(batch) if transform is None or blob else len(batch[-1])
                 done += 1
                 bar.update(1)
                 cur = loader.stats()
@@ -244,6 +253,7 @@ def run_bench(
     settings = {
         "url": url, "batches": batches, "batch_size": batch_size, "workers": workers,
         "cache_dir": cache_dir, "lookahead": lookahead, "transform": transform_name, "cores": cores(),
+        "unit": "samples" if blob else "images",
     }  # fmt: skip
     return BenchResult(settings, images, seconds, stats, _timeline(marks, points), verdict, advice)
 
@@ -275,6 +285,23 @@ def _timeline(marks: list[tuple[float, int, int, int]], points: int) -> list[dic
 def _targets_only(batch: list[tuple[Any, int]]) -> list[int]:
     """Collate for decode-only runs: the decoded samples are dropped, the targets kept."""
     return [t for _, t in batch]
+
+
+def _keys_only(batch: list[dict[str, Any]]) -> list[str]:
+    """Collate for a BlobDataset's samples: made in the workers, dropped there; their keys kept."""
+    return [s["__key__"] for s in batch]
+
+
+class _EachImage:
+    """A BlobDataset transform: ``transform`` applied to each image member of the sample (a dict)."""
+
+    def __init__(self, transform: Callable[[Any], Any]) -> None:
+        self.transform = transform
+
+    def __call__(self, sample: dict[str, Any]) -> dict[str, Any]:
+        from PIL import Image
+
+        return {k: self.transform(v) if isinstance(v, Image.Image) else v for k, v in sample.items()}
 
 
 def _bar(total: int, enabled: bool) -> Any:
@@ -341,9 +368,15 @@ def add_parser(
 
 
 def command(
-    args: argparse.Namespace, *, storage_options: dict[str, Any], extensions: tuple[str, ...] | None
+    args: argparse.Namespace,
+    *,
+    storage_options: dict[str, Any],
+    extensions: tuple[str, ...] | None,
+    blob: bool = False,
+    header: Sequence[str] = (),
 ) -> int:
-    """``blobdata bench`` with its parsed arguments (the command line parses the shared options)."""
+    """``blobdata bench`` with its parsed arguments (the command line parses the shared options and
+    chooses the layout: ``blob`` for a BlobDataset's; ``header``: lines printed before the report)."""
     from .._config import FetchOptions
 
     transform: Callable[[Any], Any] | None = None
@@ -352,9 +385,10 @@ def command(
 
         transform = TrainTransform()
     kwargs: dict[str, Any] = {
-        "manifest": args.manifest, "refresh": args.refresh, "extensions": extensions,
+        "manifest": args.manifest, "refresh": args.refresh,
         "fetch_options": FetchOptions(concurrency=args.concurrency),
     }  # fmt: skip
+    kwargs.update({"index": args.index, "metadata": args.metadata} if blob else {"extensions": extensions})
     result = run_bench(
         args.url,
         batches=args.batches,
@@ -368,13 +402,14 @@ def command(
         storage_options=storage_options,
         dataset_kwargs=kwargs,
         progress=not args.quiet and not args.json and sys.stderr.isatty(),
+        blob=blob,
     )
     if args.plot:
         plot(result, args.plot)
     if args.json:
-        print(json.dumps(result.as_dict(), indent=2))
+        print(json.dumps({**result.as_dict(), "notes": list(header)}, indent=2))
     else:
-        print(result.report())
+        print("\n".join([*header, result.report()]))
         if args.plot:
             print(f"  plot: {args.plot}")
     return 0

@@ -18,6 +18,7 @@ from .._errors import BlobdataError, ConfigError
 from .._stores import redact, resolve_storage_options
 from .._url import parse_url, printable
 from . import bench as _bench
+from .layout import choose, memory_note, parse_extensions
 from .warm import has_cache, human_size, print_summary, used_bytes, warm
 from .warm_objects import dataset_for, warm_dataset
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -72,15 +73,6 @@ def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _extensions(text: str | None) -> tuple[str, ...] | None:
-    if not text:
-        return None
-    exts = tuple(
-        e.strip() if e.strip().startswith(".") else "." + e.strip() for e in text.split(",") if e.strip()
-    )
-    return exts or None
-
-
 def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str, Any]) -> Any:
     """The listing of ``url``: ``--manifest``, else the remembered one, else a fresh listing."""
     from .._listing import load_or_list
@@ -90,31 +82,12 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
         storage_options=storage_options,
         refresh=args.refresh,
         manifest=args.manifest,
-        extensions=_extensions(args.extensions),
+        extensions=parse_extensions(args.extensions),
         is_valid_file=None,
         allow_empty=args.allow_empty,
         concurrency=args.concurrency,
         progress=False if args.quiet else None,
     )
-
-
-def _from_memory(m: Any, args: argparse.Namespace, started: float) -> str | None:
-    """How the listing ``m`` was had when it was not listed just now: remembered from an earlier run
-    (it checked no credentials) or read from ``--manifest``; None for a fresh listing."""
-    if m.listed_at >= started:  # a fresh listing notes its start, after ``started``
-        return None
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(m.listed_at))
-    age = _age(time.time() - m.listed_at)
-    if args.manifest:
-        return f"listing from --manifest {args.manifest}, made {when} ({age} ago)"
-    return f"remembered listing from {when}, {age} old: --refresh lists the bucket again"
-
-
-def _age(seconds: float) -> str:
-    for unit, n in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
-        if seconds >= n:
-            return f"{seconds / n:.1f} {unit}"
-    return f"{max(0.0, seconds):.0f} s"
 
 
 # -- warm ----------------------------------------------------------------------------------------
@@ -125,9 +98,9 @@ def _warm_folder(
 ) -> tuple[Any, str | None, Any, str | None]:
     """Warm a class folder (FolderDataset's listing): (summary, eviction line, node share, memory note)."""
     manifest = _manifest_for(args, url, resolved)
-    memory = _from_memory(manifest, args, started)
+    memory = memory_note(manifest, args.manifest, started)
     if memory is not None:
-        print(f"{printable(url)}: {memory}", flush=True)
+        print(printable(f"{url}: {memory}"), flush=True)
     indices = _node_share(args, len(manifest))
     log.debug("listing of %s: %d objects in %.2fs", url, len(manifest), time.monotonic() - t0)
     evicted = _make_room(args, manifest, indices, size) if args.cache_policy == "admit" else None
@@ -170,9 +143,14 @@ def cmd_warm(args: argparse.Namespace) -> int:
     log.debug("storage options: %s", redact(opts))
     resolved = resolve_storage_options(parse_url(url).protocol, opts)
     t0, started = time.monotonic(), time.time()
-    ds = dataset_for(args, url, resolved)
+    layout = choose(args, url, resolved, parse_extensions(args.extensions))
+    print(printable(layout.line()), flush=True)
     memory: str | None = None
-    if ds is not None:  # --objects / --index / --metadata: what a BlobDataset reads, every member
+    if layout.blob:  # what a BlobDataset reads, every member of every sample
+        ds = dataset_for(args, url, resolved, layout)
+        memory = memory_note(ds.manifest, args.manifest, started)
+        if memory is not None:
+            print(printable(f"{url}: {memory}"), flush=True)
         shares = _node_share(args, len(ds))
         indices = ds.object_rows(shares.tolist()) if shares is not None else None
         evicted = None
@@ -301,15 +279,16 @@ class EscapingFormatter(logging.Formatter):
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    if getattr(args, "index", None):
-        from .ls_index import cmd_ls_index
-
-        return cmd_ls_index(args, parse_storage_options(args.storage_option or []), _save_manifest)
     url = str(parse_url(args.url))
     opts = resolve_storage_options(parse_url(url).protocol, parse_storage_options(args.storage_option or []))
     started = time.time()
+    layout = choose(args, url, opts, parse_extensions(args.extensions))
+    if layout.blob:
+        from .ls_samples import cmd_ls_samples
+
+        return cmd_ls_samples(args, url, opts, layout, started, _save_manifest)
     m = _manifest_for(args, url, opts)
-    memory = _from_memory(m, args, started)
+    memory = memory_note(m, args.manifest, started)
     counts = (
         np.bincount(m.targets, minlength=len(m.classes)) if len(m) else np.zeros(len(m.classes), np.int64)
     )
@@ -324,6 +303,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         doc = {
             "root": m.root,
+            "layout": layout.kind,
+            "layout_reason": layout.why,
             "objects": len(m),
             "bytes": total,
             "listed_at": m.listed_at,
@@ -336,6 +317,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=2, ensure_ascii=False))
         return EXIT_OK
+    print(printable(layout.line()))
     names = [printable(c) for c in m.classes]  # names come from the bucket: escaped for the terminal
     width = max([len("class"), *(len(c) for c in names)])
     listed = memory if memory is not None else "listed now"
@@ -383,11 +365,27 @@ def _save_manifest(m: Any, target: str, storage_options: dict[str, Any]) -> None
 
 def cmd_bench(args: argparse.Namespace) -> int:
     opts = parse_storage_options(args.storage_option or [])
-    if not args.manifest:  # list here, with a bar unless --quiet; the dataset finds it remembered
-        url = parse_url(args.url)
-        _manifest_for(args, str(url), resolve_storage_options(url.protocol, opts))
+    url = str(parse_url(args.url))
+    resolved = resolve_storage_options(parse_url(url).protocol, opts)
+    started = time.time()
+    layout = choose(args, url, resolved, parse_extensions(args.extensions))
+    header = [printable(layout.line())]
+    listing = layout.listing
+    if layout.blob:  # BlobDataset's listing, made just now to find the layout, or remembered
+        args.refresh = args.refresh and listing is None
+    elif not args.manifest:  # list here, with a bar unless --quiet; the dataset finds it
+        listing = _manifest_for(args, url, resolved)
         args.refresh = False
-    return _bench.command(args, storage_options=opts, extensions=_extensions(args.extensions))
+    memory = memory_note(listing, args.manifest, started) if listing is not None else None
+    if memory is not None:
+        header.append(printable(f"{url}: {memory}"))
+    return _bench.command(
+        args,
+        storage_options=opts,
+        extensions=parse_extensions(args.extensions),
+        blob=layout.blob,
+        header=header,
+    )
 
 
 # -- cache ---------------------------------------------------------------------------------------
@@ -454,7 +452,11 @@ def cmd_cache_trim(args: argparse.Namespace) -> int:
             url = str(parse_url(args.url))
             given = parse_storage_options(args.storage_option or [])
             opts = resolve_storage_options(parse_url(url).protocol, given)
+            started = time.time()
             manifest = _manifest_for(args, url, opts)
+            memory = memory_note(manifest, args.manifest, started)
+            if memory is not None:
+                print(printable(f"{url}: {memory}"), flush=True)
             indices = _node_share(args, len(manifest))
             if indices is None:
                 raise ConfigError("with a URL, say which node's share to keep: --nnodes N --node-rank R")

@@ -48,6 +48,7 @@ from .commands import (
     cmd_warm,
     parse_storage_options,
 )
+from .layout import add_layout_args
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE
 
 __all__ = ["main", "parse_storage_options"]
@@ -118,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs"
     )
     listing = _listing_parent(url_required=True)
+    layout = argparse.ArgumentParser(add_help=False)
+    add_layout_args(layout)
     parser = argparse.ArgumentParser(
         prog="blobdata", description="Train PyTorch models straight from a bucket folder.", parents=[common]
     )
@@ -125,7 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    w = sub.add_parser("warm", parents=[common, listing], help="fill a local cache with a folder's objects")
+    w = sub.add_parser(
+        "warm", parents=[common, listing, layout], help="fill a local cache with a folder's objects"
+    )
     w.add_argument("--cache-dir", required=True, help="cache directory (an SSD)")
     w.add_argument(
         "--cache-size",
@@ -150,28 +155,18 @@ def _parser() -> argparse.ArgumentParser:
         "--buffer-size", default="256MiB", help="fetched bytes held in memory at most (default 256MiB)"
     )
     w.add_argument("--no-progress", action="store_true", help="no progress bar (as --quiet)")
-    w.add_argument(
-        "--objects", action="store_true",
-        help="warm every object a blobdata.BlobDataset(URL) reads (any layout, every member of each sample)",
-    )  # fmt: skip
-    w.add_argument(
-        "--index", metavar="FILE",
-        help="warm the objects an index names (CSV, JSONL, Parquet or an S3 Inventory manifest.json), as "
-        "BlobDataset(URL, index=FILE) reads them: no listing",
-    )  # fmt: skip
-    w.add_argument(
-        "--metadata", metavar="FILE",
-        help="warm the objects a metadata file's rows name, as BlobDataset(URL, metadata=FILE)",
-    )  # fmt: skip
     w.set_defaults(func=cmd_warm)
 
-    ls = sub.add_parser("ls", parents=[common, listing], help="list a folder: classes, objects, bytes")
+    ls = sub.add_parser(
+        "ls",
+        parents=[common, listing, layout],
+        help="list a folder: its layout, classes or samples, objects, bytes",
+    )
     ls.add_argument("--json", action="store_true", help="print JSON")
-    ls.add_argument("--save-manifest", metavar="PATH_OR_URL", help="write the listing there for other nodes")
     ls.add_argument(
-        "--index", metavar="FILE",
-        help="the samples an index names (CSV, JSONL, Parquet or an S3 Inventory manifest.json), no listing; "
-        "with --save-manifest PATH, converted once: BlobDataset(URL, index=PATH) loads it without parsing",
+        "--save-manifest", metavar="PATH_OR_URL",
+        help="write the listing there for other nodes (with --index: the samples, converted once; "
+        "BlobDataset(URL, index=PATH) loads them without parsing)",
     )  # fmt: skip
     ls.set_defaults(func=cmd_ls)
 
@@ -199,7 +194,7 @@ def _parser() -> argparse.ArgumentParser:
     clear.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
     clear.set_defaults(func=cmd_cache_clear)
 
-    _bench.add_parser(sub, [common, listing], cmd_bench)
+    _bench.add_parser(sub, [common, listing, layout], cmd_bench)
 
     sub.add_parser(
         "demo", help="train a small model from a local S3 server and a generated dataset", add_help=False
@@ -248,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(EscapingFormatter("blobdata: %(levelname)s: %(message)s"))
+        handler.addFilter(_said_by_the_command)
         log.addHandler(handler)
     old_level = log.level
     log.setLevel(logging.DEBUG if debug else logging.WARNING)
@@ -257,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         log.setLevel(old_level)
         if handler is not None:
             log.removeHandler(handler)
+
+
+def _said_by_the_command(record: logging.LogRecord) -> bool:
+    """A remembered listing is said by the command's own line (with its age and --refresh): the
+    library's warning for it is left out."""
+    from .._listing import REMEMBERED_RECORD
+
+    return not hasattr(record, REMEMBERED_RECORD)
 
 
 def _main(argv: list[str], debug: bool) -> int:

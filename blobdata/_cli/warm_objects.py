@@ -70,17 +70,16 @@ def warm_dataset(
         objects.remember()
 
 
-def dataset_for(args: Any, url: str, storage_options: dict[str, Any]) -> Any:
-    """The BlobDataset ``blobdata warm URL --objects / --index FILE / --metadata FILE`` warms, or None."""
-    if not (
-        getattr(args, "objects", False) or getattr(args, "index", None) or getattr(args, "metadata", None)
-    ):
-        return None
+def dataset_for(args: Any, url: str, storage_options: dict[str, Any], layout: Any) -> Any:
+    """The BlobDataset ``blobdata warm|bench URL`` reads in ``layout`` (not class folders): as
+    ``BlobDataset(URL, index=, metadata=, manifest=)``; a listing just made to find the layout is not
+    made again for ``--refresh``."""
     from .._dataset import BlobDataset
 
     return BlobDataset(
-        url, index=args.index, metadata=args.metadata, storage_options=storage_options, refresh=args.refresh,
-        manifest=args.manifest, share_listing=False,
+        url, index=args.index, metadata=args.metadata, storage_options=storage_options,
+        refresh=args.refresh and layout.listing is None, manifest=args.manifest, share_listing=False,
+        fetch_options=FetchOptions(concurrency=args.concurrency),
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ import torch.utils.data
 
 from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
-from .._decode import IMAGE_EXTENSIONS, decode_member, decoders_for, extension
+from .._decode import IMAGE_EXTENSIONS, Sample, decode_member, decoders_for, extension
 from .._errors import BlobdataError, ConfigError, DecodeError, ManifestError, NotFound
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
@@ -121,6 +121,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             max_age=listing_max_age,
             fetch_options=self.fetch_options,
             share=share_listing,
+            skip_missing=on_error == "skip",
         )
         self.list_requests = list_requests() - lists  # LIST requests its listing took (an index: none)
         self._learned: dict[int, str] = {}  # object row -> identity learned at its first read (this process)
@@ -248,8 +249,13 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         if not where:
             return exc
         wrapped: BlobdataError
-        if isinstance(exc, NotFound):
-            wrapped = NotFound(f"{exc.url}, named in {where}, does not exist: {exc.message}", url=exc.url)
+        if isinstance(exc, NotFound):  # an index: what exists is known only by reading it
+            wrapped = NotFound(
+                f"{exc.url}, named in {where}, does not exist: {exc.message}; `blobdata warm {self._url} "
+                "--index FILE --cache-dir D` reads every object once and lists all that are missing, "
+                'and on_error="skip" trains past them',
+                url=exc.url,
+            )
         else:
             wrapped = ManifestError(f"{where}: {exc.message}", url=exc.url)
         wrapped.__cause__ = exc
@@ -304,7 +310,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
 
     def _decode(self, i: int, key: str, url: str, data: list[bytes], skip: int = -1) -> dict[str, Any]:
         t = self._table
-        sample: dict[str, Any] = {"__key__": key, "__url__": url}
+        sample = Sample({"__key__": key, "__url__": url})
         for j, body in zip(t.members(i), data, strict=True):
             if j == skip:
                 continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 from .jpeg import Markers
 from .jpeg import check as check_jpeg
 from .jpeg import walk as walk_jpeg
-from .members import IMAGE_EXTENSIONS, Decoders, decode_member, decoders_for, extension
+from .members import IMAGE_EXTENSIONS, Decoders, Sample, decode_member, decoders_for, extension
 from .pil import IMAGE_FORMATS, ObjectFile, decode, decode_with, default_loader, sweep_dead_copies
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Decoders",
     "Markers",
     "ObjectFile",
+    "Sample",
     "check_jpeg",
     "decode",
     "decode_member",

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ConfigError
-from .pil import decode, default_loader
+from .._errors import ConfigError, MissingMember
+from .pil import IMAGE_EXTENSIONS, decode, default_loader
 
-__all__ = ["IMAGE_EXTENSIONS", "Decoders", "decode_member", "decoders_for", "extension"]
+__all__ = ["IMAGE_EXTENSIONS", "Decoders", "Sample", "decode_member", "decoders_for", "extension"]
 
 Decoder = Callable[[bytes], Any]
 Decoders = dict[str, Decoder]
@@ -52,7 +52,7 @@ def _json(data: bytes) -> Any:
 
 
 #: Extensions decoded as images by default (and sent to the device on the GPU path).
-IMAGE_EXTENSIONS = _IMAGES = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
+_IMAGES = IMAGE_EXTENSIONS
 _DEFAULTS: Decoders = {
     "json": _json,
     "txt": _text,
@@ -62,6 +62,22 @@ _DEFAULTS: Decoders = {
     "index": _int,
     "npy": _npy,
 }
+
+
+class Sample(dict[str, Any]):
+    """A sample as a dict (``__key__``, ``__url__``, its members, its fields); reading one it does not
+    have is a :class:`~blobdata.MissingMember` (a ``KeyError``) naming the sample and what it has."""
+
+    __slots__ = ()
+
+    def __missing__(self, name: str) -> Any:
+        have = ", ".join(repr(k) for k in self if k not in ("__key__", "__url__")) or "none"
+        raise MissingMember(
+            f"sample {self.get('__url__', self.get('__key__'))} has no member {name!r}; it has {have}. "
+            "Members are named by extension (x.jpg is 'jpg', x.seg.png is 'seg.png'; a metadata column "
+            f"<name>_file_name gives <name>); sample.get({name!r}) reads one that only some samples have",
+            url=self.get("__url__"),
+        )
 
 
 def decoders_for(decoders: Mapping[str, Decoder | None] | bool | None) -> Decoders | None:
@@ -97,6 +113,6 @@ def decode_member(data: bytes, url: str, table: Decoders | None) -> Any:
     if fn is None:
         if ext not in _IMAGES:
             return data
-        return decode(data, url, default_loader)
+        return decode(data, url, default_loader, how="decoders")
     user = fn
-    return decode(data, url, lambda _file: user(data))
+    return decode(data, url, lambda _file: user(data), how="decoders")

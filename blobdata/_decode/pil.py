@@ -32,10 +32,17 @@ from .. import _node, _process
 from .._errors import DecodeError
 from . import jpeg as _jpeg
 
-__all__ = ["IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader", "sweep_dead_copies"]
+__all__ = [
+    "IMAGE_EXTENSIONS", "IMAGE_FORMATS", "ObjectFile", "decode", "decode_with", "default_loader",
+    "sweep_dead_copies",
+]  # fmt: skip
 
 # Pillow format names for ImageFolder's extensions (.jpg .jpeg .png .ppm .pgm .bmp .tif .tiff .webp).
 IMAGE_FORMATS = ("JPEG", "PNG", "PPM", "BMP", "TIFF", "WEBP")
+#: Extensions (lower case, no dot) of the files the default loader decodes.
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp", "bmp", "ppm", "pgm", "tif", "tiff")
+#: What ends every decoding error: the dataset's way past a bad sample.
+_SKIP = '; on_error="skip" trains past samples that cannot be read (ds.errors lists them)'
 
 
 class ObjectFile(io.BytesIO):
@@ -154,9 +161,31 @@ def decode_with(transform: Any, data: bytes, url: str) -> Any:
     return decode(data, url, lambda _file: transform.decode_and_apply(data, url))
 
 
-def decode(data: bytes, url: str, loader: Callable[[Any], Any], *, path: str | None = None) -> Any:
+def _advice(url: str, loader: Callable[[Any], Any], how: str, *, unknown: bool) -> str:
+    """What to do when the default loader fails: a file named as an image is corrupt (``unknown``: or
+    not an image at all); another needs the dataset's own decoder argument (``how``: ``loader`` for
+    FolderDataset, ``decoders`` for BlobDataset). Nothing for a loader of the user's."""
+    if loader is not default_loader:
+        return ""
+    ext = os.path.splitext(url.rsplit("/", 1)[-1])[1].lower()
+    name = ext[1:] or "<extension>"
+    other = "loader=" if how == "loader" else f'decoders={{"{name}": fn}}'
+    if ext[1:] in IMAGE_EXTENSIONS:
+        what = "not the image its name says" if unknown else "cut short"
+        return f"; the file is corrupt or {what} (a function of your own decodes it otherwise: {other})"
+    what = f"{ext} files" if ext else "files that are not images"
+    if how == "loader":
+        return f"; the default loader decodes images: for {what} pass loader= (a function of a file)"
+    return f"; for {what} pass {other} (a function of the bytes), or decoders=False for bytes"
+
+
+def decode(
+    data: bytes, url: str, loader: Callable[[Any], Any], *, path: str | None = None, how: str = "loader"
+) -> Any:
     """Run ``loader`` on the bytes of ``url`` (whose local file is ``path``, for a local folder); any
-    failure becomes a :class:`DecodeError` naming the URL."""
+    failure becomes a :class:`DecodeError` naming the URL, what to do, and ``on_error="skip"``. ``how``
+    names the dataset's argument for another decoder: ``loader`` (FolderDataset) or ``decoders``
+    (BlobDataset)."""
     file = ObjectFile(data, url, path)
     try:
         return loader(file)
@@ -170,19 +199,16 @@ def decode(data: bytes, url: str, loader: Callable[[Any], Any], *, path: str | N
             url=url,
         ) from exc
     except UnidentifiedImageError as exc:
-        hint = ""
-        if loader is default_loader:
-            ext = os.path.splitext(url.rsplit("/", 1)[-1])[1].lower()
-            what = f"{ext} files" if ext else "files that are not images"
-            hint = f"; the default loader decodes images: for {what} pass loader= (a function of a file)"
         raise DecodeError(
             f"cannot decode {url} ({len(data)} bytes): not an image in one of the formats "
-            f"{', '.join(IMAGE_FORMATS)}{hint}",
+            f"{', '.join(IMAGE_FORMATS)}{_advice(url, loader, how, unknown=True)}{_SKIP}",
             url=url,
         ) from exc
     except Exception as exc:
         raise DecodeError(
-            f"cannot decode {url} ({len(data)} bytes): {type(exc).__name__}: {exc}", url=url
+            f"cannot decode {url} ({len(data)} bytes): {type(exc).__name__}: {exc}"
+            f"{_advice(url, loader, how, unknown=False)}{_SKIP}",
+            url=url,
         ) from exc
     finally:
         file.discard()

@@ -25,18 +25,31 @@ from __future__ import annotations
 from .build import METADATA_NAMES, build_table
 from .distributed import dist_info, env_info, shared_file, shared_manifest, shared_table
 from .filters import UNIDENTIFIED, filter_identity
-from .flat import list_flat, load_or_list_flat
-from .folders import IMG_EXTENSIONS, identity_from_info, list_folder, list_with, listing_params, load_or_list
+from .flat import FLAT_PARAMS, list_flat, load_or_list_flat
+from .folders import (
+    IMG_EXTENSIONS,
+    REMEMBERED_RECORD,
+    identity_from_info,
+    list_folder,
+    list_with,
+    listing_params,
+    load_or_list,
+    load_remembered,
+)
 from .manifest import Manifest, manifest_path
+from .metadata import find_metadata
 from .samples import Member, SampleTable, split_key
 from .tablefile import is_table, load_table, save_table, table_from_bytes, table_to_bytes
 
 __all__ = [
+    "FLAT_PARAMS",
     "IMG_EXTENSIONS",
     "METADATA_NAMES",
+    "REMEMBERED_RECORD",
     "Member",
     "SampleTable",
     "build_table",
+    "find_metadata",
     "list_flat",
     "load_or_list_flat",
     "split_key",
@@ -55,6 +68,7 @@ __all__ = [
     "list_with",
     "listing_params",
     "load_or_list",
+    "load_remembered",
     "manifest_path",
     "shared_file",
     "shared_manifest",

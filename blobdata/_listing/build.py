@@ -52,13 +52,15 @@ def build_table(
     max_age: float | str | None,
     fetch_options: FetchOptions,
     share: bool,
+    skip_missing: bool = False,
 ) -> SampleTable:
     """The samples of the dataset at ``root`` (see :class:`~blobdata.BlobDataset`); the cycle
-    collector paused while millions of rows become a table."""
+    collector paused while millions of rows become a table. ``skip_missing``: a metadata file's rows
+    naming objects that are not there are left out (``on_error="skip"``), else refused all at once."""
     from .metadata import find_metadata
 
     if index is not None:  # read by rank 0 alone; the others receive its table
-        from_index = functools.partial(_from_index, root, index, metadata, storage_options)
+        from_index = functools.partial(_from_index, root, index, metadata, storage_options, skip_missing)
         return shared_table(root, from_index, key=f"index|{index}|{metadata}") if share else from_index()
     make = functools.partial(
         load_or_list_flat, root, storage_options=storage_options, refresh=refresh, manifest=manifest,
@@ -98,7 +100,7 @@ def build_table(
 
     def from_metadata() -> SampleTable:  # read by rank 0 alone; the others receive its table
         objects = {rk: (int(listing.sizes[j]), listing.identity(j)) for j, rk in enumerate(relkeys)}
-        return _from_metadata(root, found, objects, storage_options)
+        return _from_metadata(root, found, objects, storage_options, skip_missing)
 
     table = shared_table(root, from_metadata, key=f"metadata|{metadata}") if share else from_metadata()
     table.listing = listing
@@ -106,7 +108,7 @@ def build_table(
 
 
 def _from_index(
-    root: str, index: str, metadata: str | None, storage_options: Mapping[str, Any]
+    root: str, index: str, metadata: str | None, storage_options: Mapping[str, Any], skip_missing: bool
 ) -> SampleTable:
     """The samples an index (or a saved table) names, or, with ``metadata``, its rows over those objects."""
     from .index import read_index
@@ -123,15 +125,21 @@ def _from_index(
         if metadata is None:
             return _table(root, rows, f"index {index}", where)
         objects = {m.relkey: (m.size, m.identity) for _, ms, _ in rows for m in ms}
-    return _from_metadata(root, metadata, objects, storage_options)
+    return _from_metadata(root, metadata, objects, storage_options, skip_missing)
 
 
 def _from_metadata(
-    root: str, metadata: str, objects: dict[str, tuple[int, str]], storage_options: Mapping[str, Any]
+    root: str,
+    metadata: str,
+    objects: dict[str, tuple[int, str]],
+    storage_options: Mapping[str, Any],
+    skip_missing: bool = False,
 ) -> SampleTable:
     from .metadata import samples_from_metadata
 
-    samples, where = samples_from_metadata(root, metadata, objects, storage_options=storage_options)
+    samples, where = samples_from_metadata(
+        root, metadata, objects, storage_options=storage_options, skip_missing=skip_missing
+    )
     return _table(root, samples, f"metadata {metadata}", where)
 
 

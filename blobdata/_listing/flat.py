@@ -23,7 +23,7 @@ from .._loop import run
 from .._retry import final_error
 from .._stores import credential_hint, lister_for, listing_scope, resolve_storage_options
 from .._url import BlobURL, parse_url
-from .folders import load_remembered, remember_listing
+from .folders import _scheme_hint, load_remembered, remember_listing
 from .manifest import Manifest, manifest_path
 
 __all__ = ["FLAT_PARAMS", "list_flat", "load_or_list_flat"]
@@ -83,6 +83,10 @@ def list_flat(
     cut = len(name) + 1
     entries = sorted((k[cut:], s, i) for k, s, i in found if k.startswith(name + "/") and not k.endswith("/"))
     if not entries:
+        if parsed.protocol == "file" and not os.path.exists(parsed.prefix):  # as FolderDataset says it
+            raise NotFound(
+                f"nothing found at {root}: no such local folder{_scheme_hint(parsed.prefix)}", url=root
+            )
         raise NotFound(f"nothing found at {root}: check the bucket and prefix (or the local path)", url=root)
     return Manifest.from_entries(
         root, [""], ((k, s, i, 0) for k, s, i in entries), listed_at=listed_at, params=FLAT_PARAMS

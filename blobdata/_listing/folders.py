@@ -42,8 +42,8 @@ from .filters import UNIDENTIFIED, filter_identity
 from .manifest import Manifest, load_own, manifest_path
 
 __all__ = [
-    "IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list", "load_remembered",
-    "remember_listing",
+    "IMG_EXTENSIONS", "REMEMBERED_RECORD", "identity_from_info", "list_folder", "load_or_list",
+    "load_remembered", "remember_listing",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -283,10 +283,18 @@ def list_folder(
 _said: set[str] = set()
 
 
-def _say_once(key: str, msg: str, *args: Any) -> None:
-    if key not in _said:
-        _said.add(key)
-        logger.warning(msg, *args)
+def _say_once(key: str, msg: str, *args: Any, extra: Mapping[str, Any] | None = None) -> bool:
+    """Log ``msg`` at WARNING the first time ``key`` is said in this process; whether it was."""
+    if key in _said:
+        return False
+    _said.add(key)
+    logger.warning(msg, *args, extra=extra)
+    return True
+
+
+#: Set on the log record that says a remembered listing is used: a command line that prints its own
+#: line for it can leave the record out.
+REMEMBERED_RECORD = "blobdata_remembered_listing"
 
 
 def _human_age(seconds: float) -> str:
@@ -314,7 +322,9 @@ def load_remembered(path: Path, root: str, max_age: float | str | None) -> Manif
     ``max_age`` (None: any age); else None, and the caller lists again (an unusable file is said at
     WARNING, one too old at INFO). The cache home is a place other users of the node may reach: a
     file that is not this user's own (another user's, a link, writable by others, in a directory
-    others can write) is never mapped, only said at WARNING (:func:`~blobdata._node.open_own`)."""
+    others can write) is never mapped, only said at WARNING (:func:`~blobdata._node.open_own`). A
+    listing reused is said at WARNING, once per process and file, with its age and how to list again:
+    the first loop with one's own data is upload, run, upload again."""
     limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
     try:
         loaded = load_own(path, setting=_HOME, expect_root=root)
@@ -331,9 +341,16 @@ def load_remembered(path: Path, root: str, max_age: float | str | None) -> Manif
         logger.info("remembered listing of %s is %s old (listing_max_age=%s): listing again",
                     root, _human_age(age), max_age)  # fmt: skip
         return None
-    logger.info("using the remembered listing of %s from %s ago (%d samples); pass "
-                "refresh=True (blobdata ls --refresh) to list the bucket again",
-                root, _human_age(age), len(loaded))  # fmt: skip
+    said = _say_once(
+        f"remembered|{path}",
+        "using the remembered listing of %s, made %s ago (%d objects): objects uploaded, changed or removed "
+        "since are not in it; refresh=True (blobdata ... --refresh) lists the bucket again, listing_max_age= "
+        "bounds the age of a listing reused (default 7 days)",
+        root, _human_age(age), len(loaded), extra={REMEMBERED_RECORD: root},
+    )  # fmt: skip
+    if not said:
+        logger.info("using the remembered listing of %s from %s ago (%d objects)", root, _human_age(age),
+                    len(loaded))  # fmt: skip
     return loaded
 
 

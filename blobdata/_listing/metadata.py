@@ -6,14 +6,17 @@ another object, member ``<name>``; ``file_names`` and ``<name>_file_names`` list
 types it: :mod:`blobdata._listing.columns`). The sample's key is the main object's by webdataset's rule
 (in a row of ``file_names`` only, the first object's), and its member is named as in a folder
 (``x.JPG``: ``"jpg"``), so a transform reads the same dict whether or not a metadata file is there. A
-row naming an object that is not there, a bad row, an object outside the dataset's URL and two rows for
-one key are errors naming the file and the line.
+bad row, an object outside the dataset's URL and two rows for one key are errors naming the file and
+the line. Rows naming objects that are not there are said all at once (how many, the first few by
+line); with ``skip_missing`` (``on_error="skip"``) those rows are left out with a warning saying the
+same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +25,11 @@ from .samples import Member, relative_key, split_key
 from .tables import format_of, place, read_bytes, resolve, rows
 
 __all__ = ["find_metadata", "samples_from_metadata"]
+
+logger = logging.getLogger(__name__)
+
+#: Missing objects named in a message, at most.
+_SHOWN = 5
 
 Sample = tuple[str, list[Member], dict[str, Any]]
 
@@ -64,17 +72,22 @@ def samples_from_metadata(
     objects: Mapping[str, tuple[int, str]],
     *,
     storage_options: Mapping[str, Any],
+    skip_missing: bool = False,
 ) -> tuple[list[Sample], str]:
     """The samples the metadata file ``metadata`` (relative to ``root``, a path or a URL) describes, and
     the template naming their rows; ``objects``: what exists below ``root`` (key -> (size, identity)),
-    from a listing or an index."""
+    from a listing or an index. Rows naming objects not in ``objects``: one NotFound for all, or with
+    ``skip_missing`` left out with one warning."""
     source = resolve(metadata, root)
     data = read_bytes(source, storage_options, what="metadata")
     fmt = format_of(source)
     tmpl = place(source, fmt, "metadata")
     out: dict[str, tuple[str, Sample]] = {}
+    missing: list[str] = []  # "<file> line N names <url>", in row order
+    left_out: set[str] = set()  # keys of the rows naming a missing object
     for n, row in rows(source, data, fmt, what="metadata", keep=_FILE_COLUMNS):
         where = tmpl.format(n)
+        before = len(missing)
         members: list[Member] = []
         fields: dict[str, Any] = {}
         main: str | None = None  # the object that gives the sample its key
@@ -89,13 +102,12 @@ def samples_from_metadata(
                     main = rel
                 else:
                     name = column[: -len("_file_name")]
-                members.append(_member(root, rel, name, where, n, objects))
+                members.append(_member(root, rel, name, where, n, objects, missing))
             elif column == "file_names" or column.endswith("_file_names"):
                 name = "files" if column == "file_names" else column[: -len("_file_names")]
                 for v in _list(value, where, column) if value is not None else []:
-                    members.append(
-                        _member(root, relative_key(v, root, where, column), name + "[]", where, n, objects)
-                    )
+                    rel = relative_key(v, root, where, column)
+                    members.append(_member(root, rel, name + "[]", where, n, objects, missing))
             else:
                 fields[column] = value
         if not members:
@@ -112,19 +124,49 @@ def samples_from_metadata(
                 f"{where} and {out[key][0]} both describe sample {key!r}: one row per sample", url=source
             )
         out[key] = (where, (key, members, fields))
+        if len(missing) > before:
+            left_out.add(key)
+    if missing:
+        _missing(root, source, missing, len(left_out), skip_missing)
     if not out:
         raise ConfigError(f"metadata {source} has no row", url=source)
-    return [out[k][1] for k in sorted(out)], tmpl
+    kept = [out[k][1] for k in sorted(out) if k not in left_out]
+    if not kept:
+        raise NotFound(f"no row of {source} names an object that exists below {root}", url=source)
+    return kept, tmpl
+
+
+def _missing(root: str, source: str, missing: list[str], rows: int, skip: bool) -> None:
+    """Say every missing object at once: a NotFound, or with ``skip`` a warning (the rows are left out)."""
+    more = len(missing) - _SHOWN
+    shown = "; ".join(missing[:_SHOWN]) + (f"; and {more} more" if more > 0 else "")
+    head = (
+        f"{len(missing)} object{'s' * (len(missing) != 1)} named in {source} "
+        f"(in {rows} row{'s' * (rows != 1)}) do{'es' * (len(missing) == 1)} not exist below {root}: {shown}"
+    )
+    if skip:
+        logger.warning("%s; on_error=\"skip\": those rows are left out", head)
+        return
+    first = missing[0].rpartition(" names ")[2]
+    raise NotFound(
+        f"{head}. Fix the rows or upload the objects, or pass on_error=\"skip\" to leave those rows out",
+        url=first,
+    )
 
 
 def _member(
-    root: str, rel: str, name: str, where: str, n: int, objects: Mapping[str, tuple[int, str]]
+    root: str,
+    rel: str,
+    name: str,
+    where: str,
+    n: int,
+    objects: Mapping[str, tuple[int, str]],
+    missing: list[str],
 ) -> Member:
+    """The member a row names; one not in ``objects`` is noted in ``missing`` (the row is then left out
+    or the whole file refused)."""
     found = objects.get(rel)
     if found is None:
-        raise NotFound(
-            f"{where} names {root}/{rel}, which does not exist (not in the listing of {root}): fix the row "
-            "or upload the object",
-            url=f"{root}/{rel}",
-        )
+        missing.append(f"{where} names {root}/{rel}")
+        return Member(rel, -1, "", name, n)
     return Member(rel, found[0], found[1], name, n)

@@ -14,7 +14,7 @@ first runs). Azurite and the GCS emulator need their own installs (``npm install
 ``pip install gcp-storage-emulator``).
 """
 
-from .data import TrainTransform, synthetic_dataset, synthetic_jpeg, upload
+from .data import TrainTransform, folder_files, synthetic_dataset, synthetic_jpeg, upload
 from .emulators import LocalAzurite, LocalGCSEmulator
 from .hostile import HOSTILE_MODES, HostileMode, HostileServer
 from .http_proxy import HttpProxy
@@ -37,6 +37,7 @@ __all__ = [
     "TrainTransform",
     "create_bucket",
     "find_free_port",
+    "folder_files",
     "s3_client",
     "synthetic_dataset",
     "synthetic_jpeg",

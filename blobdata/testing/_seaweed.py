@@ -135,8 +135,10 @@ def command(weed: str, tmpdir: Path, ports: list[int], access_key: str, secret_k
         "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
         "-s3.port.iceberg=0", "-s3.port.lance=0",
         f"-s3.config={tmpdir / 's3.json'}",
-        f"-filer.localSocket={tmpdir / 'filer.sock'}",
-        f"-s3.localSocket={tmpdir / 's3.sock'}",
+        # Relative to the working directory (``tmpdir``): a unix socket's path has at most 107 bytes,
+        # which a deep $TMPDIR (pytest-xdist's, say) passes when spelled whole.
+        "-filer.localSocket=filer.sock",
+        "-s3.localSocket=s3.sock",
         "-disableHttp", "-filer.disableHttp",
         "-master.telemetry=false",
         "-master.volumeSizeLimitMB=8", "-volume.max=0",

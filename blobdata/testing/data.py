@@ -1,15 +1,18 @@
 """A synthetic ImageNet-like dataset and the per-sample transform the demo and the benchmarks share.
 
 ``synthetic_dataset`` yields photo-like JPEGs under ``train/nXXXXXXXX/``, deterministic for a seed;
-``upload`` puts them in an S3 bucket; ``TrainTransform`` is the usual training transform
+``folder_files`` names the files of a folder of one's own; ``upload`` puts either in an S3 bucket (a
+bounded number in memory at once); ``TrainTransform`` is the usual training transform
 (random-resized-crop, flip, uint8 tensor) written with Pillow and torch only. torch is imported
 when the transform first runs, not with this module.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import math
+import os
 import random
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +24,7 @@ from PIL import Image
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TrainTransform", "synthetic_dataset", "synthetic_jpeg", "upload"]
+__all__ = ["TrainTransform", "folder_files", "synthetic_dataset", "synthetic_jpeg", "upload"]
 
 
 def synthetic_jpeg(rng: np.random.Generator, *, min_side: int = 300, max_side: int = 600) -> bytes:
@@ -77,15 +80,55 @@ class TrainTransform:
         return torch.from_numpy(arr.copy()).permute(2, 0, 1)
 
 
-def upload(client: Any, bucket: str, objects: Iterable[tuple[str, bytes]], *, threads: int = 16) -> int:
-    """Upload ``(key, bytes)`` pairs with a botocore S3 client, ``threads`` at a time; returns how many
-    objects were uploaded (sum the lengths yourself for the bytes)."""
+def folder_files(directory: str | os.PathLike[str], prefix: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(key, path)`` of every regular file below ``directory`` (symbolic links to files read through,
+    links to folders not followed), keyed ``prefix/<path relative to directory>`` with ``/`` separators,
+    sorted; and the paths left out because their names are not UTF-8 (an S3 key is)."""
+    root = os.fspath(directory)
+    found: list[tuple[str, str]] = []
+    left: list[str] = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            path = os.path.join(dirpath, name)
+            if not os.path.isfile(path):  # a socket, a fifo, a dangling link
+                continue
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:
+                left.append(path)
+                continue
+            found.append((f"{prefix}/{rel}" if prefix else rel, path))
+    return found, left
+
+
+Body = bytes | os.PathLike[str] | str
+
+
+def upload(client: Any, bucket: str, objects: Iterable[tuple[str, Body]], *, threads: int = 16) -> int:
+    """Upload ``(key, bytes)`` pairs, or ``(key, path)`` of files read as they are sent, with a botocore S3
+    client, ``threads`` at a time and at most ``4 * threads`` objects in memory; returns how many were
+    uploaded (sum the lengths yourself for the bytes)."""
     count = 0
 
-    def put(item: tuple[str, bytes]) -> None:
-        client.put_object(Bucket=bucket, Key=item[0], Body=item[1])
+    def put(item: tuple[str, Body]) -> None:
+        key, body = item
+        if not isinstance(body, bytes):
+            with open(body, "rb") as fh:
+                body = fh.read()
+        client.put_object(Bucket=bucket, Key=key, Body=body)
 
     with ThreadPoolExecutor(threads) as pool:
-        for _ in pool.map(put, objects):
+        pending: set[concurrent.futures.Future[None]] = set()
+        for item in objects:
+            pending.add(pool.submit(put, item))
+            if len(pending) >= 4 * threads:
+                done, pending = concurrent.futures.wait(pending, return_when="FIRST_COMPLETED")
+                for f in done:
+                    f.result()
+                    count += 1
+        for f in concurrent.futures.as_completed(pending):
+            f.result()
             count += 1
     return count

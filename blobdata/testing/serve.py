@@ -2,7 +2,8 @@
 
 A quick start without a cloud account: it starts :class:`~blobdata.testing.LocalS3Server` in this
 process's main thread, creates a bucket, with ``--demo`` uploads a generated ImageNet-like dataset
-(:func:`~blobdata.testing.synthetic_dataset`), then prints the ``export`` lines that point blobdata
+(:func:`~blobdata.testing.synthetic_dataset`), with ``--data DIR`` a folder of one's own (to
+``s3://BUCKET/<its name>``, no other tool needed), then prints the ``export`` lines that point blobdata
 (and boto3, s3fs, the AWS CLI) at it and the commands to paste next. Ctrl-C (or SIGTERM, or SIGHUP
 when its terminal closes) stops the server, removes its data and exits with one line; what a run killed
 by SIGKILL left is removed by the next (:mod:`blobdata.testing._tmpdirs`). Its keys are made at random
@@ -25,9 +26,9 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from types import FrameType
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
-from .data import synthetic_dataset, upload
+from .data import folder_files, synthetic_dataset, upload
 from .servers import MOTO_WARNING, LocalS3Server, find_executable, s3_client
 
 __all__ = ["exports", "main", "next_commands"]
@@ -45,16 +46,17 @@ def exports(server: LocalS3Server) -> dict[str, str]:
     }
 
 
-def next_commands(url: str, cache_dir: str) -> list[str]:
-    """What to run against the served dataset ``url``: list, warm, a short training run, bench."""
+def next_commands(url: str, cache_dir: str, *, train: bool = True) -> list[str]:
+    """What to run against the served dataset ``url``: list, warm, a short training run (``train``: the
+    class folders of the demo), bench."""
     url, cache = shlex.quote(url), shlex.quote(cache_dir)
-    return [
-        f"blobdata ls {url}",
-        f"blobdata warm {url} --cache-dir {cache}",
-        f"python examples/train_resnet.py {url} --cache-dir {cache} --model small --batch-size 32 "
-        "--steps 20 --workers 2",
-        f"blobdata bench {url} --cache-dir {cache} --batches 20 --workers 2",
-    ]
+    lines = [f"blobdata ls {url}", f"blobdata warm {url} --cache-dir {cache}"]
+    if train:
+        lines.append(
+            f"python examples/train_resnet.py {url} --cache-dir {cache} --model small --batch-size 32 "
+            "--steps 20 --workers 2"
+        )
+    return [*lines, f"blobdata bench {url} --cache-dir {cache} --batches 20 --workers 2"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--images", type=int, default=500, help="with --demo: JPEGs to generate (default 500)")
     p.add_argument("--classes", type=int, default=10, help="with --demo: class folders (default 10)")
+    p.add_argument(
+        "--data", metavar="DIR", action="append", default=[],
+        help="upload this folder of your own to s3://BUCKET/<its name> (repeatable); ls, warm and bench "
+        "read it in its layout",
+    )  # fmt: skip
     p.add_argument("--bucket", default="demo", help="the bucket to create (default demo)")
     p.add_argument("--port", type=int, default=None, help="the S3 port (default: a free one)")
     p.add_argument(
@@ -117,6 +124,10 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
             "blobdata serve: error: --images and --classes must be >= 1, classes <= images", file=sys.stderr
         )
         return 2
+    folders, why = _folders(args.data, demo=args.demo)
+    if why is not None:
+        print(f"blobdata serve: error: {why}", file=sys.stderr)
+        return 2
     missing = _missing(args.backend)
     if missing is not None:
         print(f"blobdata serve: error: {missing}", file=sys.stderr)
@@ -151,14 +162,20 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
                 file=out,
                 flush=True,
             )
+        urls = [_upload_folder(server, args.bucket, folder, out) for folder in folders]
         lines = ["", "Paste into another shell:", ""]
         lines += [f"export {k}={shlex.quote(v)}" for k, v in exports(server).items()]
+        empty = not (args.demo or urls)
         lines += [
             "",
-            "then:" if args.demo else f"then upload a folder, e.g. aws s3 sync ./train {url}, and:",
+            f"then upload a folder: blobdata serve --data ./train serves one of yours (or aws s3 sync "
+            f"./train {url} with the exports above), and:" if empty else "then:",
             "",
         ]
-        lines += next_commands(url, args.cache_dir)
+        if args.demo or empty:
+            lines += next_commands(url, args.cache_dir)
+        for own in urls:
+            lines += next_commands(own, args.cache_dir, train=False)
         lines += ["", "Serving until Ctrl-C (the data goes with the server; the keys are new each start)."]
         serving = True  # before the line that says so: a signal right after it is a stop, not an interrupt
         print("\n".join(lines), file=out, flush=True)
@@ -180,6 +197,51 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
             server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+class _Folder(NamedTuple):
+    """A ``--data`` folder: served at ``s3://BUCKET/<name>``; its files and those left out."""
+
+    directory: str
+    name: str
+    files: list[tuple[str, str]]
+    left: list[str]
+
+
+def _folders(dirs: list[str], *, demo: bool) -> tuple[list[_Folder], str | None]:
+    """Each ``--data`` folder with its files, or why one cannot be served (before the server starts)."""
+    out: list[_Folder] = []
+    taken = {"train"} if demo else set()
+    for d in dirs:
+        if not os.path.isdir(d):
+            return [], f"--data {d}: no such folder"
+        name = os.path.basename(os.path.abspath(d))
+        if not name:
+            return [], f"--data {d}: a filesystem root; name a folder below it"
+        if name in taken:
+            return [], f"--data {d}: another folder is served as s3://BUCKET/{name}: give each its own name"
+        taken.add(name)
+        files, left = folder_files(d, name)
+        if not files:
+            return [], f"--data {d}: the folder holds no file"
+        out.append(_Folder(d, name, files, left))
+    return out, None
+
+
+def _upload_folder(server: LocalS3Server, bucket: str, folder: _Folder, out: TextIO) -> str:
+    """Upload ``folder`` to ``s3://bucket/<its name>``, one line saying it; the URL."""
+    t0 = time.monotonic()
+    url = f"s3://{bucket}/{folder.name}"
+    size = sum(os.path.getsize(p) for _, p in folder.files)
+    upload(s3_client(server), bucket, folder.files)
+    left = f"; left out {len(folder.left)} whose names are not UTF-8" if folder.left else ""
+    print(
+        f"uploaded {len(folder.files)} files ({size / 1e6:.1f} MB) from {folder.directory} to {url} in "
+        f"{time.monotonic() - t0:.1f}s{left}",
+        file=out,
+        flush=True,
+    )
+    return url
 
 
 @contextlib.contextmanager

@@ -29,7 +29,7 @@ def test_ls_escapes_class_names_in_its_table(tmp_path: Path, capsys: pytest.Capt
     assert "\x1b" not in out and "\x07" not in out and "\u202e" not in out
     assert not any(line.startswith("forged") for line in out.splitlines())  # no forged output line
     assert "evil\\x1b[2J\\x1b]0;pwned\\x07\\nforged 999 objects\\u202e" in out
-    assert len(out.splitlines()) == 5  # header, column names, 2 classes, total
+    assert len(out.splitlines()) == 6  # the layout, header, column names, 2 classes, total
 
 
 def test_ls_json_keeps_the_exact_names(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,10 +31,12 @@ def test_ls_and_warm_say_when_the_listing_comes_from_memory(
     url = s3_bucket.url("train")
     code, out, err = run(capsys, "ls", url, *opts)
     assert code == 0, err
-    assert out.splitlines()[0].endswith("(listed now)"), out
+    assert out.splitlines()[0].startswith("layout: class folders") and out.splitlines()[1].endswith(
+        "(listed now)"
+    ), out
     code, out, err = run(capsys, "ls", url, *opts)
     assert code == 0, err
-    first = out.splitlines()[0]
+    first = out.splitlines()[1]
     assert "(remembered listing from " in first and " s old: --refresh lists the bucket again)" in first, (
         first
     )
@@ -44,7 +46,7 @@ def test_ls_and_warm_say_when_the_listing_comes_from_memory(
     assert json.loads(out)["remembered"] is False
     code, out, err = run(capsys, "warm", url, "--cache-dir", str(tmp_path / "c"), *opts)
     assert code == 0, err
-    assert out.startswith(f"{url}: remembered listing from "), out
+    assert out.splitlines()[1].startswith(f"{url}: remembered listing from "), out
 
 
 def test_warm_stops_at_the_first_access_denied_with_one_message(
@@ -59,7 +61,7 @@ def test_warm_stops_at_the_first_access_denied_with_one_message(
         capsys, "warm", url, "--cache-dir", str(tmp_path / "c"), "--concurrency", "4", *option_args(wrong)
     )
     assert code == 1
-    assert out.splitlines() == [out.splitlines()[0]] and "remembered listing" in out, out  # no summary
+    assert len(out.splitlines()) == 2 and "remembered listing" in out.splitlines()[1], out  # no summary
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("blobdata: error: ") and "access denied" in lines[0]
@@ -117,7 +119,8 @@ def test_ctrl_c_during_warm_is_one_line_and_nothing_failed(
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert len(out.strip().splitlines()) == 1 and out.startswith("interrupted "), out
+    layout, interrupted = out.strip().splitlines()  # the layout line, then one line
+    assert layout.startswith("layout: class folders") and interrupted.startswith("interrupted "), out
     assert "fail" not in out and not err.strip(), (out, err)  # one line in all: no traceback, no failure
 
 

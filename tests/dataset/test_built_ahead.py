@@ -204,6 +204,7 @@ def test_new_workers_find_their_first_batches_fetched_for_them(folder: Path) -> 
     assert staged == [N - 8, N - 8, N, N]
 
 
+@pytest.mark.slow  # spawned workers import torch afresh: half a minute on 2 cores
 @pytest.mark.timeout(180)
 def test_nothing_is_handed_over_to_spawned_workers_or_with_a_cache(
     folder: Path, tmp_path_factory: pytest.TempPathFactory

@@ -40,6 +40,30 @@ def test_remembered_listing_is_announced_with_its_age(
     assert len(load_or_list(url, storage_options=s3_bucket.storage_options, refresh=True)) == len(first) + 1
 
 
+def test_a_reused_listing_is_one_warning_per_process_with_its_age(
+    s3_bucket: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 40: a listing reused hides what was uploaded since, and was said at INFO only: the first
+    loop with one's own data (upload, run, fix, upload again) met it silently."""
+    from blobdata import BlobDataset
+
+    _tree(s3_bucket)
+    s3_bucket.put_many({f"flat/{i}.txt": b"x" for i in range(3)})
+    url, flat, opts = s3_bucket.url("ds"), s3_bucket.url("flat"), s3_bucket.storage_options
+    load_or_list(url, storage_options=opts)
+    BlobDataset(flat, storage_options=opts, share_listing=False)
+    with caplog.at_level(logging.INFO, logger="blobdata"):
+        for _ in range(3):
+            load_or_list(url, storage_options=opts)
+            BlobDataset(flat, storage_options=opts, share_listing=False)
+    said = [r for r in caplog.records if "remembered listing" in r.getMessage()]
+    warned = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+    assert len(said) == 6 and len(warned) == 2, [r.getMessage() for r in said]  # once per listing
+    for root, message in zip((url, flat), warned, strict=True):
+        assert message.startswith(f"using the remembered listing of {root}, made 0 s ago"), message
+        assert "uploaded, changed or removed since are not in it" in message and "refresh=True" in message
+
+
 def test_listing_max_age(s3_bucket: Any, isolated_cache_home: Any) -> None:
     _tree(s3_bucket)
     url = s3_bucket.url("ds")
