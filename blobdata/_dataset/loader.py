@@ -121,7 +121,11 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         if self.device_pipeline is not None:
             self.device_pipeline.seed = seed
         self.progress = Progress(
-            sampler, batch_size, seed, identity=functools.partial(run_identity, dataset, sampler, batch_size)
+            sampler,
+            batch_size,
+            seed,
+            identity=functools.partial(run_identity, dataset, sampler, batch_size),
+            batch_sampler=batches,
         )
         # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
         # is what tools that rebuild a loader know how to re-make with another sampler.

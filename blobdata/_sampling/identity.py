@@ -11,12 +11,12 @@ same order exactly when their ``"served"`` digests are equal.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ServedDigest", "compare_runs", "differences", "listing_digest", "run_identity"]
+__all__ = ["ORDER", "ServedDigest", "compare_runs", "differences", "listing_digest", "run_identity"]
 
 # What a resume may not change, with the words that name it in an error.
 _NAMES = {
@@ -66,10 +66,19 @@ def _short(value: Any) -> str:
     return f"{value[:12]}..." if isinstance(value, str) and len(value) == 32 else repr(value)
 
 
-def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
-    """What differs between a saved identity and this loader's, in words; empty when it is the same run."""
+#: What fixes an epoch's order: a state that differs in one of these cannot resume mid-epoch exactly.
+ORDER = ("samples", "sampler", "sampler_seed", "shuffle", "drop_last")
+
+
+def differences(
+    saved: dict[str, Any], here: dict[str, Any], keys: Collection[str] | None = None
+) -> list[str]:
+    """What differs between a saved identity and this loader's (in ``keys``, default all), in words;
+    empty when it is the same run."""
     out = []
     for key, name in _NAMES.items():
+        if keys is not None and key not in keys:
+            continue
         if key in saved or key in here:
             a, b = saved.get(key), here.get(key)
             if a != b:
