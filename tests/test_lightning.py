@@ -161,23 +161,29 @@ def test_resume_at_another_batch_size(folder: Path, tmp_path: Path) -> None:
     assert [len(b) for b in _fit(larger, 0, 0)] == [32, 32]  # 7 - 5: Lightning's count
 
 
-def test_resume_with_lightnings_sampler_on_twice_the_devices_at_half_the_batch(
+def test_resume_with_lightnings_sampler_on_other_devices_at_the_same_global_batch(
     folder: Path, tmp_path: Path
 ) -> None:
     """use_distributed_sampler=True (Lightning's DistributedSampler in the rebuilt loader): 2 devices x
-    16, stopped after step 3 of 7, resumed on 4 devices x 8 (the same global batch): the rest of epoch
-    0 dealt to the 4 ranks, each sample once, then a whole epoch 1 (before: refused, "resume at another
-    world size needs blobdata.ElasticDistributedSampler")."""
-    log, ckpt, again = tmp_path / "log", tmp_path / "mid.ckpt", tmp_path / "again"
+    16, stopped after step 3 of 7, resumed on 4 devices x 8, and on 1 device x 32 (strategy="ddp", so
+    that Lightning keeps its sampler): the rest of epoch 0 dealt to the ranks there are, each sample
+    once, then a whole epoch 1 (before: refused, "resume at another world size needs
+    blobdata.ElasticDistributedSampler")."""
+    log, ckpt = tmp_path / "log", tmp_path / "mid.ckpt"
     common = ["--fit", "--epochs", "2", "--sampler", "lightning"]
     _run(folder, log, *common, "--devices", "2", "--crash-at", "3", "--ckpt", str(ckpt), expect=3)
-    _run(folder, again, *common, "--devices", "4", "--batch-size", "8", "--resume", str(ckpt))
     before = [i for rank in (0, 1) for batch in _fit(log, rank, 0) for i in batch]
-    rest = [_fit(again, rank, 0) for rank in range(4)]
-    assert len(before) == 3 * 16 * 2 and all([len(b) for b in r] == [8, 8, 8, 2] for r in rest)
-    assert sorted(before + [i for r in rest for batch in r for i in batch]) == list(range(N))
-    nxt = [i for rank in range(4) for batch in _fit(again, rank, 1) for i in batch]
-    assert sorted(nxt) == list(range(N)) and all(_records(again, r)[-1]["end"]["len"] == 7 for r in range(4))
+    assert len(before) == 3 * 16 * 2
+    for devices, batch, sizes, whole in ((4, 8, [8, 8, 8, 2], 7), (1, 32, [32, 32, 32, 8], 7)):
+        again = tmp_path / f"on{devices}"
+        size = ["--devices", str(devices), "--batch-size", str(batch), "--strategy", "ddp"]
+        _run(folder, again, *common, *size, "--resume", str(ckpt))
+        rest = [_fit(again, rank, 0) for rank in range(devices)]
+        assert all([len(b) for b in r] == sizes for r in rest)
+        assert sorted(before + [i for r in rest for b in r for i in b]) == list(range(N))
+        nxt = [i for rank in range(devices) for b in _fit(again, rank, 1) for i in b]
+        assert sorted(nxt) == list(range(N))
+        assert all(_records(again, r)[-1]["end"]["len"] == whole for r in range(devices))
 
 
 def test_predict_on_one_device_with_a_blobdata_loader(folder: Path, tmp_path: Path) -> None:

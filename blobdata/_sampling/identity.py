@@ -3,7 +3,9 @@ running digest of the indices served, so that two runs can be shown to have serv
 
 A loader's ``state_dict()`` records :func:`run_identity` under ``"run"`` and a :class:`ServedDigest`
 under ``"served"``. ``load_state_dict()`` refuses a state whose identity differs from the loader's
-(:func:`differences` names each difference) unless ``strict=False``. :func:`compare_runs` compares two
+(:func:`differences` names each difference) unless ``strict=False``, and mid-epoch one that differs in
+what fixes the epoch's order (:data:`ORDER`) whatever ``strict``; the batch size and the layout are
+recorded, not compared (a resume may change them). :func:`compare_runs` compares two
 states (or loaders): an uninterrupted run and one stopped and resumed served the same indices in the
 same order exactly when their ``"served"`` digests are equal.
 """
@@ -135,7 +137,8 @@ def compare_runs(a: Any, b: Any) -> list[str]:
     sa, sb = _state_of(a), _state_of(b)
     ra, rb = sa.get("run"), sb.get("run")
     if not isinstance(ra, dict) or not isinstance(rb, dict):
-        return ["a state without a run identity (saved by blobdata before 0.3): the runs cannot be compared"]
+        return ["a state without a run identity (version 1: blobdata 0.2.0 before it recorded the run): "
+                "the runs cannot be compared"]  # fmt: skip
     out = differences(ra, rb)
     da, db = ServedDigest.from_state(sa.get("served")), ServedDigest.from_state(sb.get("served"))
     if da.batches != db.batches:

@@ -406,7 +406,7 @@ class Progress:
                 f"this loader state was saved by another run ({'; '.join(order)}): mid-epoch, the rest of "
                 "its epoch is not the rest of this loader's order, so some samples would be read twice "
                 "and others never. It is refused even with strict=False; resume it with the same "
-                "dataset and sampler, or load a state saved at an epoch's end"
+                "dataset and sampler, or load a state saved at an epoch's end" + _hint(saved, here)
             )
         diffs = [d for d in differences(saved, here) if not d.startswith("batch size:")]
         if not diffs:
@@ -419,6 +419,17 @@ class Progress:
             )
         warnings.warn(f"loading a loader state of another run ({text}), as strict=False asks", UserWarning,
                       stacklevel=4)  # fmt: skip
+
+
+def _hint(saved: dict[str, Any], here: dict[str, Any]) -> str:
+    """A distributed sampler's state, and a loader without one: Lightning on one device."""
+    distributed, single = ("distributed", "elastic"), ("generator", "sequential")
+    if saved.get("sampler") in distributed and here.get("sampler") in single:
+        return (
+            " (Lightning puts its DistributedSampler in only under a distributed strategy: on one "
+            'device, Trainer(strategy="ddp") keeps it, and it resumes this state)'
+        )
+    return ""
 
 
 def _samples(state: dict[str, Any], batches: int) -> int:

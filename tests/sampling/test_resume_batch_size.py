@@ -211,6 +211,21 @@ def test_strict_false_never_reads_a_sample_twice_or_never(ds: FolderDataset, tmp
     assert _flat(done) + _flat(_epoch(moved, 0)[0]) == want
 
 
+def test_a_distributed_state_on_one_device_without_a_distributed_sampler_says_what_to_do(
+    ds: FolderDataset,
+) -> None:
+    """Saved under DDP (a DistributedSampler, as Lightning puts in), resumed on one device where the
+    loader has shuffle=True's sampler: refused naming both, and Lightning's way to keep its sampler."""
+    _, state = _epoch(_make(ds, "distributed", 8), 0, stop_after=1)
+    with pytest.raises(ConfigError, match=r"sampler kind: the state's is 'distributed', this loader's "
+                       r"'generator'.*strategy=\"ddp\"\) keeps it"):  # fmt: skip
+        _make(ds, "shuffle", 16).load_state_dict(state)
+    one = _make(ds, "distributed", 16, world=1)  # Trainer(strategy="ddp") on one device: it resumes
+    one.load_state_dict(state)
+    rest = _flat(_epoch(one, 0)[0])
+    assert len(rest) == N - 2 * 8 and len(set(rest)) == len(rest)
+
+
 def test_a_batch_sampler_of_its_own_resumes_at_its_own_size_only(ds: FolderDataset) -> None:
     """blobdata cannot batch again what a batch_sampler of another kind batches: the same size skips
     its batches as before; another size is refused, saying what to pass instead."""
