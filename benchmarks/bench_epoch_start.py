@@ -13,10 +13,15 @@ Per sampler (``RandomSampler`` with a seeded generator, ``DistributedSampler``,
   predicted during the first epoch (the whole first epoch is consumed first, then the
   prediction's thread is awaited, so that only the epoch start is timed).
 
+With ``--resumed`` (#43), the start of an epoch resumed from a state saved after 10 batches of rank 0
+of 2 (``RandomSampler``: of 1), beside the same sampler's first epoch: resumed as it was saved, at half
+the batch size (the rest batched again), and at 4 ranks (a plain ``DistributedSampler``'s rest through
+its elastic equivalent).
+
 The dataset is a ``FolderDataset`` over a saved manifest of ``n`` entries (nothing is fetched). Each
 figure is the best of ``--repeat`` runs.
 
-    python benchmarks/bench_epoch_start.py [--samples 1281167] [--batch 256,32] [--repeat 3]
+    python benchmarks/bench_epoch_start.py [--samples 1281167] [--batch 256,32] [--repeat 3] [--resumed]
 
 A benchmark prints; it asserts nothing.
 """
@@ -24,6 +29,7 @@ A benchmark prints; it asserts nothing.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 import threading
@@ -47,12 +53,14 @@ from blobdata._fetch.lookahead import KeyedBatch  # noqa: E402
 KINDS = ("random", "distributed", "elastic", "partitioned")
 
 
-def make_sampler(kind: str, ds: Any) -> Any:
+def make_sampler(kind: str, ds: Any, world: int = 1) -> Any:
     if kind == "random":
         return RandomSampler(ds, generator=torch.Generator().manual_seed(7))
     cls = {"distributed": DistributedSampler, "elastic": ElasticDistributedSampler,
            "partitioned": PartitionedSampler}[kind]  # fmt: skip
-    return cls(ds, num_replicas=1, rank=0, seed=7)
+    if kind == "partitioned":  # one rank per node
+        return cls(ds, num_replicas=world, rank=0, seed=7, nproc_per_node=1)
+    return cls(ds, num_replicas=world, rank=0, seed=7)
 
 
 def _pack_before(batches: list[KeyedBatch]) -> tuple[np.ndarray, np.ndarray]:
@@ -107,17 +115,64 @@ def predicted_start(loader: Any, sampler: Any) -> float:
     return first_next(loader)
 
 
+def saved_state(ds: Any, kind: str, batch: int, world: int, batches: int = 10) -> dict[str, Any]:
+    """The state of rank 0 of ``world`` after ``batches`` batches of its first epoch."""
+    loader = ds.dataloader(batch_size=batch, sampler=make_sampler(kind, ds, world))
+    it = iter(loader._planner)
+    next(it)  # the epoch begun and planned
+    served = loader.progress.track(itertools.repeat(None))
+    for _ in range(batches):
+        next(served)
+    it.close()
+    return dict(loader.state_dict())
+
+
+def resumed_start(ds: Any, kind: str, batch: int, world: int, state: dict[str, Any]) -> float:
+    loader = ds.dataloader(batch_size=batch, sampler=make_sampler(kind, ds, world))
+    loader.load_state_dict(state)
+    return first_next(loader)
+
+
+def resumed(ds: Any, args: Any) -> None:
+    rows = []
+    for batch in (int(b) for b in args.batch.split(",")):
+        for kind in args.kinds.split(","):
+            world = 1 if kind == "random" else 2
+            state = saved_state(ds, kind, batch, world)
+            cells: dict[str, list[float]] = {"first": [], "same": [], "half": [], "more": []}
+            for _ in range(args.repeat):
+                plain = ds.dataloader(batch_size=batch, sampler=make_sampler(kind, ds, world))
+                cells["first"].append(first_next(plain))
+                cells["same"].append(resumed_start(ds, kind, batch, world, state))
+                cells["half"].append(resumed_start(ds, kind, batch // 2, world, state))
+                if kind != "random":
+                    cells["more"].append(resumed_start(ds, kind, batch, 4, state))
+            first = min(cells["first"])
+            row = [f"{kind} / {batch}", f"{first * 1000:.0f}"]
+            for name in ("same", "half", "more"):
+                best = min(cells[name]) if cells[name] else None
+                row.append("-" if best is None else f"{best * 1000:.0f} ({best / first:.2f}x)")
+            rows.append(row)
+    print(f"resumed epoch start, {args.samples:,} samples, rank 0 of 2 (random: of 1), "
+          f"ms (best of {args.repeat}; x: over the first epoch's)")  # fmt: skip
+    print(table(["sampler / batch", "first epoch", "resumed", "batch / 2", "4 ranks"], rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=1_281_167)
     ap.add_argument("--batch", default="256,32")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--resumed", action="store_true", help="the start of resumed epochs (#43)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "flat.manifest")
         make_manifest(path, args.samples)
         ds = FolderDataset("s3://bench/flat", manifest=path, storage_options={"anon": True})
+        if args.resumed:
+            resumed(ds, args)
+            return
         rows = []
         for batch in (int(b) for b in args.batch.split(",")):
             for kind in args.kinds.split(","):

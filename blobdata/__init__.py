@@ -69,7 +69,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'blobdata' has no attribute {name!r}")
 
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "AccessDenied",

@@ -10,7 +10,8 @@ the same order (``--ckpt-path``). Three ways to shard it under DDP:
   also resumes at another number of devices. It is a ``DistributedSampler``, so Lightning keeps it.
 - ``--sampler lightning``: ``ds.dataloader(batch_size=..., shuffle=True)``; Lightning rebuilds the
   loader with its own ``DistributedSampler`` (``use_distributed_sampler=True``, the default). The
-  rebuilt loader is a ``BlobLoader`` too and fetches ahead the same way.
+  rebuilt loader is a ``BlobLoader`` too and fetches ahead the same way, and resumes a mid-epoch
+  checkpoint at another number of devices or batch size (at a global batch no larger than before).
 - ``--sampler partitioned``: ``PartitionedSampler``: each node reads the same share of the dataset every
   epoch, so each node's cache needs to hold only its share. The trainer is made with
   ``use_distributed_sampler=False`` so that nothing replaces it, and ``nproc_per_node`` is given from

@@ -13,8 +13,9 @@ The model is a toy (CPU, gloo, a linear layer over each object's first 16 bytes;
   the ranks of one node share ``--cache-dir``. ``--sampler partitioned`` (``PartitionedSampler``)
   keeps each node on the same share every epoch, so a node's cache of its share serves every epoch.
 - Rank 0 checkpoints the model and the loader's state every ``--save-every`` steps; started again
-  with the same ``--checkpoint``, the run goes on at the next batch with the same order, even with
-  another number of ranks (the rest of the epoch is dealt to the ranks there are).
+  with the same ``--checkpoint``, the run goes on where it stopped with the same order, even with
+  another number of ranks or ``--batch-size`` (the rest of the epoch is dealt to the ranks there are
+  and batched at the new size; ``--sampler distributed`` too).
 
 Storage credentials and endpoints come from the environment (``AWS_ENDPOINT_URL_S3``, ...).
 With ``--ids-log DIR`` each rank appends the sample ids of each batch to ``DIR/rank<R>.jsonl`` (smoke mode).

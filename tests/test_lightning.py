@@ -62,7 +62,7 @@ def _run(folder: Path, log: Path, *args: str, expect: int = 0, script: str | Non
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # anything the run left behind
     assert proc.returncode == expect, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}"
-    return out
+    return out + err
 
 
 def _records(log: Path, rank: int) -> list[dict[str, Any]]:
@@ -135,6 +135,55 @@ def test_ddp_with_lightnings_own_distributed_sampler(folder: Path, tmp_path: Pat
         predicted += [i for r in records if "predict" in r for i in r["predict"]]
     assert sorted(seen) == list(range(N)) and seen != sorted(seen)  # shuffled, each sample once
     assert sorted(predicted) == list(range(N))
+
+
+def test_resume_at_another_batch_size(folder: Path, tmp_path: Path) -> None:
+    """Stopped after step 5 of 13 (batches of 16), resumed with batches of 8: the rest of epoch 0 in
+    batches of 8, each sample once, then a whole epoch 1 of 25 batches (Lightning takes len() once, for
+    every epoch). From the same checkpoint with batches of 32 (a larger global batch), Lightning ends
+    the resumed epoch at the 7 batches an epoch has at 32: the run stops with a ConfigError saying so
+    (before, batch sizes were refused; with strict=False samples went missing silently)."""
+    log, ckpt = tmp_path / "log", tmp_path / "mid.ckpt"
+    _run(folder, log, "--fit", "--epochs", "2", "--crash-at", "5", "--ckpt", str(ckpt), expect=3)
+    before = [i for batch in _fit(log, 0, 0) for i in batch]
+    assert len(before) == 5 * 16
+    smaller = tmp_path / "smaller"
+    _run(folder, smaller, "--fit", "--epochs", "2", "--resume", str(ckpt), "--batch-size", "8")
+    rest = _fit(smaller, 0, 0)
+    assert sorted(before + [i for batch in rest for i in batch]) == list(range(N))
+    assert [len(b) for b in rest] == [8] * 15
+    assert _fit(smaller, 0, 1) == _expected(folder, 1, 1, 0, batch=8)  # 25 batches: the whole epoch
+    larger = tmp_path / "larger"
+    err = _run(folder, larger, "--fit", "--epochs", "2", "--resume", str(ckpt), "--batch-size", "32",
+               expect=1)  # fmt: skip
+    assert "ConfigError: the epoch resumed from a loader state saved at batch size 16 x 1 ranks" in err
+    assert "with 2 of its batches not read" in err and "no larger than 16" in err
+    assert [len(b) for b in _fit(larger, 0, 0)] == [32, 32]  # 7 - 5: Lightning's count
+
+
+def test_resume_with_lightnings_sampler_on_other_devices_at_the_same_global_batch(
+    folder: Path, tmp_path: Path
+) -> None:
+    """use_distributed_sampler=True (Lightning's DistributedSampler in the rebuilt loader): 2 devices x
+    16, stopped after step 3 of 7, resumed on 4 devices x 8, and on 1 device x 32 (strategy="ddp", so
+    that Lightning keeps its sampler): the rest of epoch 0 dealt to the ranks there are, each sample
+    once, then a whole epoch 1 (before: refused, "resume at another world size needs
+    blobdata.ElasticDistributedSampler")."""
+    log, ckpt = tmp_path / "log", tmp_path / "mid.ckpt"
+    common = ["--fit", "--epochs", "2", "--sampler", "lightning"]
+    _run(folder, log, *common, "--devices", "2", "--crash-at", "3", "--ckpt", str(ckpt), expect=3)
+    before = [i for rank in (0, 1) for batch in _fit(log, rank, 0) for i in batch]
+    assert len(before) == 3 * 16 * 2
+    for devices, batch, sizes, whole in ((4, 8, [8, 8, 8, 2], 7), (1, 32, [32, 32, 32, 8], 7)):
+        again = tmp_path / f"on{devices}"
+        size = ["--devices", str(devices), "--batch-size", str(batch), "--strategy", "ddp"]
+        _run(folder, again, *common, *size, "--resume", str(ckpt))
+        rest = [_fit(again, rank, 0) for rank in range(devices)]
+        assert all([len(b) for b in r] == sizes for r in rest)
+        assert sorted(before + [i for r in rest for b in r for i in b]) == list(range(N))
+        nxt = [i for rank in range(devices) for b in _fit(again, rank, 1) for i in b]
+        assert sorted(nxt) == list(range(N))
+        assert all(_records(again, r)[-1]["end"]["len"] == whole for r in range(devices))
 
 
 def test_predict_on_one_device_with_a_blobdata_loader(folder: Path, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ it *iterates* (:class:`~blobdata._fetch.lookahead.PlanningBatchSampler`, DataLoa
 publish each epoch's batches, which draws nothing from any generator. ``batch_size``, ``sampler``,
 ``batch_sampler``, ``drop_last`` and ``len()`` report what was asked for; ``len()`` stays the whole
 epoch's batch count after ``load_state_dict`` (as torchdata's ``StatefulDataLoader``), while the resumed
-epoch yields only the batches not yet yielded.
+epoch yields only the samples not yet read, batched at this loader's batch size.
 """
 
 from __future__ import annotations
@@ -121,7 +121,11 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         if self.device_pipeline is not None:
             self.device_pipeline.seed = seed
         self.progress = Progress(
-            sampler, batch_size, seed, identity=functools.partial(run_identity, dataset, sampler, batch_size)
+            sampler,
+            batch_size,
+            seed,
+            identity=functools.partial(run_identity, dataset, sampler, batch_size),
+            batch_sampler=batches,
         )
         # What DataLoader iterates (its _index_sampler); `batch_sampler` stays the plain one, which
         # is what tools that rebuild a loader know how to re-make with another sampler.
@@ -260,15 +264,17 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         return self.progress.state_dict()
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        """Make the next epoch this loader begins resume ``state``'s: same order, minus the batches
-        already yielded (which are not fetched again), and the same augmentation draws. At another
-        world size the sampler must be an :class:`~blobdata.ElasticDistributedSampler` (or a
-        :class:`~blobdata.PartitionedSampler`).
+        """Make the next epoch this loader begins resume ``state``'s: same order, minus the samples
+        already read (which are not fetched again), and the same augmentation draws. This loader may
+        have another batch size; at another world size, the sampler a ``DistributedSampler``, an
+        :class:`~blobdata.ElasticDistributedSampler` or a :class:`~blobdata.PartitionedSampler`.
 
         A state saved over another dataset URL, listing (keys, object identities, sizes, classes),
-        sampler kind or seed, or batch size is refused with a :class:`~blobdata.ConfigError` naming
-        what differs; ``strict=False`` loads it anyway, with a warning. A state of blobdata before 0.3
-        (version 1) records none of these: it is loaded with a warning. See ``docs/resume.md``."""
+        or sampler is refused with a :class:`~blobdata.ConfigError` naming what differs;
+        ``strict=False`` loads it anyway, with a warning, except mid-epoch where its order would
+        differ (another number of samples, sampler kind, seed, ``shuffle``, ``drop_last``): that is
+        refused whatever ``strict``. A state of version 1 (blobdata 0.2.0 before it recorded the run)
+        records none of these: it is loaded with a warning. See ``docs/resume.md``."""
         self.progress.load_state_dict(state, strict=strict)
         if self.device_pipeline is not None and self.progress.seed is not None:
             self.device_pipeline.seed = self.progress.seed

@@ -112,8 +112,12 @@ class PlanningBatchSampler:
         # else the sampler iterated into arrays, where its kind is known (the same draws).
         batches: Sequence[list[int]] | PackedBatches
         predicted, self._predicted = self._predicted, None
-        got = predicted.take(self.batch_sampler) if predicted is not None else None
-        if got is not None:
+        # A resumed epoch: what is left of its order, batched at this loader's batch size.
+        rest = self.progress.rest(self.batch_sampler) if self.progress is not None else None
+        got = predicted.take(self.batch_sampler) if predicted is not None and rest is None else None
+        if rest is not None:
+            got = PackedBatches(*rest)
+        elif got is not None:
             self.epochs_predicted += 1
         else:
             order = self.next_epoch.order(self.batch_sampler) if self.next_epoch is not None else None
@@ -164,9 +168,9 @@ class PlanningBatchSampler:
                 hand_over.end(upcoming.batches)
 
     def __len__(self) -> int:
-        # The whole epoch's count, also while an elastic sampler leaves out a resumed epoch's start.
-        extra = self.progress.resumed_batches() if self.progress is not None else 0
-        return len(self.batch_sampler) + extra
+        # The whole epoch's count (a resumed epoch's: blobdata._sampling.Progress.length).
+        resumed = self.progress.length(self.batch_sampler) if self.progress is not None else None
+        return len(self.batch_sampler) if resumed is None else int(resumed)
 
     def __getattr__(self, name: str) -> Any:
         # set_epoch, sampler, batch_size, drop_last ... of the wrapped batch sampler.

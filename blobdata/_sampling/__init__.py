@@ -7,7 +7,8 @@ module             its one job
 ``keyed``          a keyed permutation of ``0..n-1`` evaluated at any positions (Feistel network)
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
-``resume``         the loader's position (``state_dict``), elastic resume at another world size
+``elastic``        :class:`ElasticDistributedSampler`: ``DistributedSampler``'s order, resumable anywhere
+``resume``         the loader's position (``state_dict``), resumed at another batch or world size
 ``peek``           the next epoch's batches before it begins (look-ahead across epochs)
 ``identity``       what makes a state this run's; a digest of the indices served (``compare_runs``)
 ``rng``            augmentation draws keyed by (loader seed, epoch, sample URL); ``sample_rng()``
@@ -38,10 +39,11 @@ from .shares import (
 )
 
 if TYPE_CHECKING:
+    from .elastic import ElasticDistributedSampler
+    from .elastic import node_share as epoch_share
     from .partition import PartitionedSampler
     from .peek import NextEpoch
-    from .resume import ElasticDistributedSampler, Progress, own_generator
-    from .resume import node_share as epoch_share
+    from .resume import Progress, own_generator
 
 __all__ = [
     "ElasticDistributedSampler",
@@ -85,8 +87,12 @@ def __getattr__(name: str) -> object:
         from .partition import PartitionedSampler
 
         return PartitionedSampler
-    if name in ("ElasticDistributedSampler", "Progress", "epoch_share", "own_generator"):
+    if name in ("ElasticDistributedSampler", "epoch_share"):
+        from . import elastic
+
+        return getattr(elastic, "node_share" if name == "epoch_share" else name)
+    if name in ("Progress", "own_generator"):
         from . import resume
 
-        return getattr(resume, "node_share" if name == "epoch_share" else name)
+        return getattr(resume, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,9 @@ running digest of the indices served, so that two runs can be shown to have serv
 
 A loader's ``state_dict()`` records :func:`run_identity` under ``"run"`` and a :class:`ServedDigest`
 under ``"served"``. ``load_state_dict()`` refuses a state whose identity differs from the loader's
-(:func:`differences` names each difference) unless ``strict=False``. :func:`compare_runs` compares two
+(:func:`differences` names each difference) unless ``strict=False``, and mid-epoch one that differs in
+what fixes the epoch's order (:data:`ORDER`) whatever ``strict``; the batch size and the layout are
+recorded, not compared (a resume may change them). :func:`compare_runs` compares two
 states (or loaders): an uninterrupted run and one stopped and resumed served the same indices in the
 same order exactly when their ``"served"`` digests are equal.
 """
@@ -11,12 +13,12 @@ same order exactly when their ``"served"`` digests are equal.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ServedDigest", "compare_runs", "differences", "listing_digest", "run_identity"]
+__all__ = ["ORDER", "ServedDigest", "compare_runs", "differences", "listing_digest", "run_identity"]
 
 # What a resume may not change, with the words that name it in an error.
 _NAMES = {
@@ -66,10 +68,19 @@ def _short(value: Any) -> str:
     return f"{value[:12]}..." if isinstance(value, str) and len(value) == 32 else repr(value)
 
 
-def differences(saved: dict[str, Any], here: dict[str, Any]) -> list[str]:
-    """What differs between a saved identity and this loader's, in words; empty when it is the same run."""
+#: What fixes an epoch's order: a state that differs in one of these cannot resume mid-epoch exactly.
+ORDER = ("samples", "sampler", "sampler_seed", "shuffle", "drop_last")
+
+
+def differences(
+    saved: dict[str, Any], here: dict[str, Any], keys: Collection[str] | None = None
+) -> list[str]:
+    """What differs between a saved identity and this loader's (in ``keys``, default all), in words;
+    empty when it is the same run."""
     out = []
     for key, name in _NAMES.items():
+        if keys is not None and key not in keys:
+            continue
         if key in saved or key in here:
             a, b = saved.get(key), here.get(key)
             if a != b:
@@ -126,7 +137,8 @@ def compare_runs(a: Any, b: Any) -> list[str]:
     sa, sb = _state_of(a), _state_of(b)
     ra, rb = sa.get("run"), sb.get("run")
     if not isinstance(ra, dict) or not isinstance(rb, dict):
-        return ["a state without a run identity (saved by blobdata before 0.3): the runs cannot be compared"]
+        return ["a state without a run identity (version 1: blobdata 0.2.0 before it recorded the run): "
+                "the runs cannot be compared"]  # fmt: skip
     out = differences(ra, rb)
     da, db = ServedDigest.from_state(sa.get("served")), ServedDigest.from_state(sb.get("served"))
     if da.batches != db.batches:

@@ -31,18 +31,18 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from .elastic import ElasticDistributedSampler
 from .partition import PartitionedSampler
-from .resume import ElasticDistributedSampler
 
-__all__ = ["NextEpoch", "Prediction"]
+__all__ = ["NextEpoch", "Prediction", "batched", "indices_of"]
 
 Packed = tuple[np.ndarray, np.ndarray]  # (flat, offsets), int64
 _KINDS = (SequentialSampler, RandomSampler, DistributedSampler, ElasticDistributedSampler, PartitionedSampler)
 
 
-def _indices(sampler: Any) -> np.ndarray:
-    """The indices ``iter(sampler)`` yields (a sampler of one of ``_KINDS``, exactly), drawn from the
-    same generators in the same order, as int64."""
+def indices_of(sampler: Any) -> np.ndarray:
+    """The indices ``iter(sampler)`` yields, drawn from the same generators in the same order, as
+    int64: computed as arrays for the samplers of ``_KINDS`` (exactly those types), iterated otherwise."""
     kind = type(sampler)
     if kind in (ElasticDistributedSampler, PartitionedSampler):
         return np.ascontiguousarray(sampler.indices(), dtype=np.int64)  # what their __iter__ lists
@@ -79,7 +79,12 @@ def _indices(sampler: Any) -> np.ndarray:
 
 def _packed(sampler: Any, size: int, drop_last: bool) -> Packed:
     """``BatchSampler(sampler, size, drop_last)``'s batches as (flat, offsets)."""
-    flat = _indices(sampler)
+    return batched(indices_of(sampler), size, drop_last)
+
+
+def batched(flat: np.ndarray, size: int, drop_last: bool) -> Packed:
+    """``flat`` in batches of ``size`` (the last one short, or left out with ``drop_last``), as
+    ``BatchSampler`` makes them: (flat, offsets)."""
     count = len(flat) // size if drop_last else -(-len(flat) // size)
     flat = flat[: count * size] if drop_last else flat
     offsets = np.minimum(np.arange(count + 1, dtype=np.int64) * size, len(flat))

@@ -5,6 +5,7 @@ costs fetches, never a wrong batch."""
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,30 @@ def folder(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _staged_per_epoch(loader: Any, epochs: int) -> tuple[list[int], list[list[int]]]:
+def _announced(loader: Any) -> None:
+    """Until the epoch begun has the next one's order announced (a thread predicts it as the epoch
+    begins). Called at an epoch's first batch: the workers run at most the prefetch ahead of the loop,
+    so their look-ahead then reaches the epoch's end after the announcement, whatever the machine's
+    load (which could otherwise delay the prediction past a short epoch's end)."""
+    channel = PlanChannel(loader.channel.path)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        plan = channel.current(reload=True)
+        if plan is not None and channel.next_of(plan) is not None:
+            return
+        time.sleep(0.005)
+    raise AssertionError("the next epoch's order was never announced")
+
+
+def _staged_per_epoch(loader: Any, epochs: int, wait: bool = True) -> tuple[list[int], list[list[int]]]:
     staged, orders, before = [], [], 0
     for _ in range(epochs):
-        orders.append([int(s) for batch, _ in loader for s in batch])
+        order: list[int] = []
+        for k, (batch, _) in enumerate(loader):
+            if k == 0 and wait:
+                _announced(loader)
+            order.extend(int(s) for s in batch)
+        orders.append(order)
         now = loader.stats().samples_staged
         staged.append(now - before)
         before = now
@@ -55,7 +76,7 @@ def test_persistent_workers_stage_the_next_epochs_first_batches(folder: Path) ->
         loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True,
                                generator=torch.Generator().manual_seed(5))  # fmt: skip
         loader._planner.across_epochs = across
-        return _staged_per_epoch(loader, 3)
+        return _staged_per_epoch(loader, 3, wait=across)
 
     staged, orders = run(True)
     staged_per_epoch, same_orders = run(False)

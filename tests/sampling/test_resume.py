@@ -82,11 +82,14 @@ def test_resume_after_a_complete_epoch_starts_the_next(ds: FolderDataset) -> Non
     assert first + rest == full
 
 
+@pytest.mark.parametrize("how", ["elastic", "distributed"])
 @pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
 def test_elastic_resume_at_another_world_size_sees_the_rest_once(
-    ds: FolderDataset, before: int, after: int
+    ds: FolderDataset, before: int, after: int, how: str
 ) -> None:
-    loaders = [_make(ds, "elastic", 0, world=before, rank=r) for r in range(before)]
+    """ElasticDistributedSampler, and a plain DistributedSampler (before: refused mid-epoch), whose
+    interrupted epoch goes on through its elastic equivalent."""
+    loaders = [_make(ds, how, 0, world=before, rank=r) for r in range(before)]
     seen: list[int] = []
     states = []
     for loader in loaders:  # in lockstep: every rank 3 batches
@@ -99,7 +102,7 @@ def test_elastic_resume_at_another_world_size_sees_the_rest_once(
     assert all({**s, "served": None} == {**states[0], "served": None} for s in states)
     rest: list[int] = []
     for r in range(after):
-        loader = _make(ds, "elastic", 0, world=after, rank=r)
+        loader = _make(ds, how, 0, world=after, rank=r)
         loader.load_state_dict(states[0])
         loader.sampler.set_epoch(0)
         rest += [i for b in loader for i in _ids_of(b)]
@@ -107,10 +110,21 @@ def test_elastic_resume_at_another_world_size_sees_the_rest_once(
     assert sorted(seen + rest) == list(range(48))
 
 
-def test_plain_distributed_sampler_refuses_another_world_size(ds: FolderDataset) -> None:
-    _, state = _epochs(_make(ds, "distributed", 0, world=4), range(1), stop_after=1)
-    with pytest.raises(ConfigError, match="ElasticDistributedSampler"):
-        _make(ds, "distributed", 0, world=2).load_state_dict(state)
+def test_a_distributed_sampler_subclass_at_another_world_size_is_refused_naming_what_to_do(
+    ds: FolderDataset,
+) -> None:
+    """Its order may not be DistributedSampler's: the rest cannot be dealt to other ranks for it."""
+
+    class Mine(DistributedSampler):  # type: ignore[type-arg]
+        pass
+
+    _, state = _epochs(ds.dataloader(batch_size=4, sampler=Mine(ds, 4, 0, seed=5)), range(1), stop_after=1)
+    refused = r"world size 4, this is 2: .* a Mine may not have\. Resume it at world size 4, or use torch's"
+    with pytest.raises(ConfigError, match=refused):
+        ds.dataloader(batch_size=4, sampler=Mine(ds, 2, 0, seed=5)).load_state_dict(state)
+    again = ds.dataloader(batch_size=4, sampler=Mine(ds, 4, 1, seed=5))  # the same world size: exact
+    again.load_state_dict(state)
+    assert len(list(again)) == 2
 
 
 def test_elastic_sampler_is_distributed_samplers_order(ds: FolderDataset) -> None:
@@ -193,11 +207,10 @@ def test_len_stays_the_whole_epoch_after_a_resume(ds: FolderDataset, how: str) -
     assert first + rest + second == full
 
 
-def test_elastic_len_after_a_resume_at_another_world_size_counts_what_each_run_yields(
-    ds: FolderDataset,
-) -> None:
-    """At another world size, len() is the batches yielded before the stop plus those left here, so
-    that a loop that counts the batches it already ran (Lightning) runs exactly the rest."""
+def test_len_after_a_resume_at_another_world_size_is_the_whole_epochs_here(ds: FolderDataset) -> None:
+    """At another world size, len() is a whole epoch's count here (Lightning takes it once, for every
+    epoch: before, it was the batches before the stop plus those left, and the next epoch was cut to
+    that); the resumed epoch itself yields the rest, then ends."""
     loader = _make(ds, "elastic", 0, world=4, rank=0)
     loader.sampler.set_epoch(0)
     it = iter(loader)
@@ -205,9 +218,13 @@ def test_elastic_len_after_a_resume_at_another_world_size_counts_what_each_run_y
         next(it)
     state = loader.state_dict()  # 2 batches x 4 x 4 ranks = 32 of 48 consumed
     again = _make(ds, "elastic", 0, world=2, rank=1)
+    whole = len(again)
     again.load_state_dict(state)
+    assert len(again) == whole == 6
     rest = list(again)  # 16 left, 8 for this rank: 2 batches
-    assert len(rest) == 2 and len(again) == 2 + 2
+    assert len(rest) == 2 and len(again) == whole
+    again.sampler.set_epoch(1)
+    assert len(list(again)) == whole == len(again)
 
 
 def test_state_right_after_loading_is_the_loaded_position(ds: FolderDataset) -> None:

@@ -5,6 +5,7 @@ ranks by running this same command line again.
 
     python -m tests.support.lightning_app ROOT --log DIR [--devices 2] [--epochs 2] [--crash-at 5]
         [--ckpt-dir DIR] [--resume CKPT] [--sampler elastic|lightning] [--predict] [--stateful]
+        [--strategy ddp]
 
 Sample ids are the objects' first 16 bytes (``f"{id:016d}"``), which are the example model's features.
 ``--crash-at K`` saves a checkpoint after step K (as ``ModelCheckpoint`` does, in
@@ -105,6 +106,7 @@ def main() -> None:
     p.add_argument("--predict", action="store_true")
     p.add_argument("--fit", action="store_true")
     p.add_argument("--stateful", action="store_true")
+    p.add_argument("--strategy", default="auto")
     args = p.parse_args()
     args.log.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -114,6 +116,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        strategy=args.strategy,
         max_epochs=args.epochs,
         callbacks=callbacks,
         enable_progress_bar=False,
