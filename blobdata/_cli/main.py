@@ -83,7 +83,8 @@ def _listing_parent(*, url_required: bool) -> argparse.ArgumentParser:
         "--quiet", "-q", action="store_true", help="no progress bars (shown only on a terminal anyway)"
     )
     listing.add_argument(
-        "--allow-empty", action="store_true",
+        "--allow-empty",
+        action="store_true",
         help="accept class folders without a valid file (as allow_empty=True)",
     )
 

@@ -32,10 +32,12 @@ from .._fetch import LookAhead, PlanChannel
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
+from .._peers import Peers, PeerTable
 from .._stores import network_mount, redact
 from .._url import parse_url, printable
 from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
+from .peering import join_peers
 from .reads import PENDING, Objects, ProcessState, read_batch
 from .settings import LEGACY_KEYWORDS, legacy_keywords, resolve_cache
 
@@ -65,9 +67,11 @@ class BlobDatasetBase:
         fetch_options: FetchOptions | None,
         lookahead: int | None = None,
         lookahead_bytes: int | str | None = None,
+        peers: bool | Peers | None = None,
     ) -> str | os.PathLike[str]:
         """Set the settings every dataset has; returns the root as given (``~`` expanded). ``lookahead``
-        and ``lookahead_bytes``, when given, are the former spellings of FetchOptions' own."""
+        and ``lookahead_bytes``, when given, are the former spellings of FetchOptions' own. ``peers``:
+        meet the job's other nodes (:mod:`blobdata._peers`; a collective call, as the listing is)."""
         given = os.path.expanduser(root) if isinstance(root, str) else root
         url = parse_url(given)
         self._url = str(url)
@@ -96,6 +100,7 @@ class BlobDatasetBase:
         # the next epoch's first batches); forked workers find it in their copy. Never pickled.
         self._handoff: dict[int, Any] = {}
         self._proc: ProcessState | None = None
+        self._peers: PeerTable | None = join_peers(self, peers, cache)
         return given
 
     # -- what a dataset says -----------------------------------------------------------------------
@@ -287,6 +292,16 @@ class BlobDatasetBase:
                 v[_stats.N_FROM_CACHE if _stats.next_epoch() else _stats.FROM_CACHE] += 1
                 v[_stats.BYTES_CACHE] += len(data)
                 return data, identity
+        peers = proc.peers
+        if peers is not None and identity and size is not None and (home := peers.home_of(url)) != peers.me:
+            # Another node's object: from its cache (not cached here: this node caches its own).
+            bucket = functools.partial(proc.engine.fetch, url, size=size, identity=identity)
+            data, from_peer = await peers.read(home, url, size, identity, bucket)
+            if from_peer:
+                v[_stats.N_FROM_PEER if _stats.next_epoch() else _stats.FROM_PEER] += 1
+            else:
+                v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
+            return data, identity
         data, got = await proc.engine.fetch(url, size=size, identity=None if unknown else identity)
         v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
         key = got if unknown else identity

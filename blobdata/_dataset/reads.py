@@ -22,6 +22,7 @@ from .._errors import BlobdataError
 from .._fetch import IN_FLIGHT, FetchEngine, LookAhead
 from .._loop import submit
 from .._metrics import stats as _stats
+from .._peers import PeerClient, PeerTable
 from .._stores import read_local_file, resolve_storage_options
 from .ahead import BuiltAhead
 
@@ -35,10 +36,12 @@ class Dataset(Protocol):
     _storage_options: dict[str, Any]
     cache: BlobCache | None
     fetch_options: FetchOptions
+    _peers: PeerTable | None
 
     def _objects(self, indices: list[int]) -> Objects: ...
 
     def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError: ...
+
 
 __all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch"]
 
@@ -76,6 +79,9 @@ class ProcessState:
         # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
         self.cache: BlobCache | None = ds.cache
         self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
+        # Peers on: what this node is not home for is asked of its home node first.
+        table = getattr(ds, "_peers", None)
+        self.peers = PeerClient(table) if table is not None else None
         self.lookahead: LookAhead | None = None
         self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
         self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
@@ -84,17 +90,19 @@ class ProcessState:
         self.urls: tuple[list[int], list[str]] | None = None
         # Connections belong to this process's loop: close them there when this state goes away
         # (the engine closes them itself at interpreter exit).
-        weakref.finalize(self, _close_engine, self.engine, self.pid)
+        weakref.finalize(self, _close_engine, self.engine, self.pid, self.peers)
 
 
 def _count_stored(n: int) -> None:
     _stats.rec()[_stats.CACHE_STORED] += n
 
 
-def _close_engine(engine: FetchEngine, pid: int) -> None:
+def _close_engine(engine: FetchEngine, pid: int, peers: PeerClient | None = None) -> None:
     if _process.pid() == pid:
         with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
             submit(engine.aclose())
+            if peers is not None:
+                submit(peers.aclose())
 
 
 def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:
@@ -194,4 +202,3 @@ def _path_of(url: str) -> str:
     """The local path of a ``file://`` URL, as the fetch engine maps it."""
     rest = url[7:] if url.startswith("file://") else url
     return rest if rest.startswith("/") else "/" + rest
-

@@ -145,11 +145,11 @@ def _missing(root: str, source: str, missing: list[str], rows: int, skip: bool) 
         f"(in {rows} row{'s' * (rows != 1)}) do{'es' * (len(missing) == 1)} not exist below {root}: {shown}"
     )
     if skip:
-        logger.warning("%s; on_error=\"skip\": those rows are left out", head)
+        logger.warning('%s; on_error="skip": those rows are left out', head)
         return
     first = missing[0].rpartition(" names ")[2]
     raise NotFound(
-        f"{head}. Fix the rows or upload the objects, or pass on_error=\"skip\" to leave those rows out",
+        f'{head}. Fix the rows or upload the objects, or pass on_error="skip" to leave those rows out',
         url=first,
     )
 

@@ -28,12 +28,14 @@ from .._url import BlobURL
 from . import local
 from .base import Entry, Lister, Reader, ReadResult, StoreInfo, list_requests, listed_size
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
+from .h1 import H1Pool
 from .local import network_mount
 from .local import read_file as read_local_file
 from .options import options_token, redact
 
 __all__ = [
     "Entry",
+    "H1Pool",
     "Lister",
     "ReadResult",
     "Reader",

@@ -314,8 +314,9 @@ def _parse_page(body: bytes, url: str, bucket: str) -> ListPage:
         sizes = [listed_size(i.get("size") or 0, f"gs://{bucket}/{i['name']}") for i in items]
         ids = [identity(i) for i in items]
     except (ValueError, AttributeError, KeyError, TypeError):
-        raise TransientError("server", f"{url}: the store sent a listing that is not objects.list JSON") \
-            from None
+        raise TransientError(
+            "server", f"{url}: the store sent a listing that is not objects.list JSON"
+        ) from None
     return ListPage(keys, sizes, ids, prefixes, str(token) if token else None)
 
 

@@ -79,7 +79,6 @@ def split_identity(identity: str) -> tuple[str, str | None]:
     return etag.strip('"'), (version or None)
 
 
-
 class S3ErrorResponse(Exception):
     """The HTTP status and S3 error code of a refused request, chained as the ``__cause__`` of the
     error raised for it, so a caller can restate it (``error_code``/``status_code`` are the names
@@ -89,7 +88,6 @@ class S3ErrorResponse(Exception):
         super().__init__(f"HTTP {status_code}{' ' + error_code if error_code else ''}")
         self.status_code = status_code
         self.error_code = error_code
-
 
 
 class S3Reader:
@@ -306,6 +304,7 @@ class S3Reader:
             raise _http_error(url, status, err_body, resp.headers.get("Retry-After")) from (
                 S3ErrorResponse(status, _error_code(err_body) or None)
             )
+
     async def read(
         self,
         bucket: str,
