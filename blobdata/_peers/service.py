@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import quote, unquote
 
 from .._cache import BlobCache, checksum
 from .._errors import BlobdataError, ConfigError
@@ -175,16 +175,21 @@ class Service:
 
     @staticmethod
     def _parse(target: str) -> tuple[str, str, int]:
-        """``(url, identity, size)`` of a request target; ``("", "", 0)`` if it is not one."""
-        parts = urlsplit(target)
-        if parts.path != PATH or len(target) > _MAX_URL:
+        """``(url, identity, size)`` of a request target ``PATH?u=..&e=..&n=..`` (in this order, as the
+        asking side writes it); ``("", "", 0)`` if it is not one."""
+        path, _, query = target.partition("?")
+        fields = query.split("&")
+        if path != PATH or len(target) > _MAX_URL or len(fields) != 3:
+            return "", "", 0
+        u, e, n = fields
+        if not (u.startswith("u=") and e.startswith("e=") and n.startswith("n=")):
             return "", "", 0
         try:
-            fields = dict(parse_qsl(parts.query, strict_parsing=True, max_num_fields=3, errors="strict"))
-        except (ValueError, UnicodeDecodeError):
+            url, identity = unquote(u[2:], errors="strict"), unquote(e[2:], errors="strict")
+        except UnicodeDecodeError:
             return "", "", 0
-        url, identity, size = fields.get("u", ""), fields.get("e", ""), fields.get("n", "")
-        if len(fields) != 3 or not url or not identity or not size.lstrip("-").isdigit() or len(size) > 19:
+        size = n[2:]
+        if not url or not identity or not size.lstrip("-").isdigit() or len(size) > 19:
             return "", "", 0
         return url, identity, int(size)
 
