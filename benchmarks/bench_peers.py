@@ -16,7 +16,8 @@ that counts its GETs. Three jobs, each with fresh caches:
 
 Every node waits for the others at the start of each epoch (a barrier in the store, through which this
 script reads the proxy's count of GETs between epochs); an epoch's time is its slowest node's. Each
-sample is decoded and cropped (the default loader and ``blobdata.testing.TrainTransform(64)``) unless ``--no-decode``.
+sample is decoded and cropped (the default loader, ``blobdata.testing.TrainTransform(64)``) unless
+``--no-decode``.
 Prints a table per job, then the ratios (from epoch 2 on) and the machine's load average.
 
     python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--json out.json]
@@ -121,7 +122,9 @@ def _gets(proxy: Any) -> int:
     return sum(1 for m, t in proxy.requests if m == "GET" and "list-type" not in t)
 
 
-def _run_job(job: str, args: Any, work: Path, url: str, env: dict[str, str], store: Any, proxy: Any) -> dict[str, Any]:
+def _run_job(
+    job: str, args: Any, work: Path, url: str, env: dict[str, str], store: Any, proxy: Any
+) -> dict[str, Any]:
     from blobdata.testing import LatencyProxy, find_free_port
 
     run = f"{job}-{os.urandom(4).hex()}"
@@ -156,14 +159,17 @@ def _run_job(job: str, args: Any, work: Path, url: str, env: dict[str, str], sto
             deadline = time.monotonic() + args.timeout
             while int(store.add(key, 0)) < args.nodes:
                 if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p, _ in procs):
-                    logs = [(work / run / f"node{r}.log").read_text(errors="replace")[-2000:] for r in range(args.nodes)]
+                    logs = [
+                        (work / run / f"node{r}.log").read_text(errors="replace")[-2000:]
+                        for r in range(args.nodes)
+                    ]
                     raise SystemExit(f"{job}: nodes did not reach epoch {epoch}:\n" + "\n".join(logs))
                 time.sleep(0.01)
             if epoch != 0:
                 gets.append(_gets(proxy))
             proxy.reset_counts()
             store.set(f"{run}/go/{epoch}", "1")
-        for p, log in procs:
+        for p, _ in procs:
             p.wait(timeout=120)
     finally:
         for p, log in procs:
@@ -176,12 +182,19 @@ def _run_job(job: str, args: Any, work: Path, url: str, env: dict[str, str], sto
     epochs = []
     for e in range(args.epochs):
         rows = [nd["epochs"][e] for nd in nodes]
+        summed = (
+            "from_peers",
+            "from_cache",
+            "from_bucket",
+            "bytes_from_peers",
+            "peer_fallbacks",
+            "peer_hedged",
+        )
         epochs.append({
             "gets": gets[e], "seconds": max(r["seconds"] for r in rows),
-            "samples": sum(r["samples"] for r in rows),
-            **{k: sum(r[k] for r in rows) for k in ("from_peers", "from_cache", "from_bucket", "bytes_from_peers",
-                                                    "peer_fallbacks", "peer_hedged")},
-            "peer_p99_s": max(r["peer_p99_s"] for r in rows), "peer_p50_s": max(r["peer_p50_s"] for r in rows),
+            "samples": sum(r["samples"] for r in rows), **{k: sum(r[k] for r in rows) for k in summed},
+            "peer_p99_s": max(r["peer_p99_s"] for r in rows),
+            "peer_p50_s": max(r["peer_p50_s"] for r in rows),
         })  # fmt: skip
     return {"job": job, "epochs": epochs, "summary": nodes[0]["summary"]}
 
@@ -198,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--slack", type=float, default=0.15, help="each cache: 1/N of the data times 1 + this")
     p.add_argument("--bucket-rtt-ms", type=float, default=50.0)
-    p.add_argument("--peer-rtt-ms", type=float, default=1.0, help="a LatencyProxy before each service; 0: none")
+    p.add_argument(
+        "--peer-rtt-ms", type=float, default=1.0, help="a LatencyProxy before each service; 0: none"
+    )
     p.add_argument("--no-decode", action="store_true", help="read bytes only (no JPEG decode, no transform)")
     p.add_argument("--jobs", default=",".join(JOBS))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a job's epoch may take")
@@ -273,12 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
         for other in ("global", "partitioned"):
             if other in by:
-                print(f"epoch time from epoch 2 on, peers / {other}: {later('peers', 'seconds') / later(other, 'seconds'):.2f}")
+                ratio = later("peers", "seconds") / later(other, "seconds")
+                print(f"epoch time from epoch 2 on, peers / {other}: {ratio:.2f}")
     for r in results:
         print(f"{r['job']} (node 0): {r['summary']}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"},
-                                         "load": [load0, load1], "results": results}, indent=2, default=str))  # fmt: skip
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        doc = {"args": settings, "load": [load0, load1], "results": results}
+        args.json.write_text(json.dumps(doc, indent=2, default=str))
     return 0
 
 

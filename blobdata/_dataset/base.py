@@ -293,10 +293,10 @@ class BlobDatasetBase:
                 v[_stats.BYTES_CACHE] += len(data)
                 return data, identity
         peers = proc.peers
-        if peers is not None and identity and size is not None and (home := peers.home_of(url)) != peers.me:
-            # Another node's object: from its cache (not cached here: this node caches its own).
+        if peers is not None and identity and size is not None:
+            # From the cache of its home node (this one's through its service, which reads it once).
             bucket = functools.partial(proc.engine.fetch, url, size=size, identity=identity)
-            data, from_peer = await peers.read(home, url, size, identity, bucket)
+            data, from_peer = await peers.read(peers.home_of(url), url, size, identity, bucket)
             if from_peer:
                 v[_stats.N_FROM_PEER if _stats.next_epoch() else _stats.FROM_PEER] += 1
             else:

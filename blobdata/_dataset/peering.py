@@ -4,11 +4,11 @@ its node's service makes for them. The asking side is in the read path (``_fetch
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from .._cache import BlobCache
 from .._errors import ConfigError
-from .._metrics import stats as _stats
 from .._peers import Peers, PeerTable, join, peers_setting, serve
 from .._url import printable
 
@@ -34,9 +34,10 @@ def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> 
 
 async def serve_peer(ds: Any, url: str, size: int | None, identity: str) -> bytes:
     """An object of ``ds`` that this node is home for, asked by a peer and missing in the cache: read
-    from the bucket (pinned to ``identity``) and offered to the cache."""
+    from the bucket (pinned to ``identity``) and put in the cache before it is answered (in a thread:
+    a put is a transaction), so that the node's own next read of it is a hit."""
     proc = ds._process()
     data, _ = await proc.engine.fetch(url, size=size, identity=identity)
-    if proc.writer is not None and not proc.writer.offer(url, identity, data):
-        _stats.rec()[_stats.CACHE_DROPPED] += 1
+    if proc.cache is not None:  # counted as peers_served_fetched by the service
+        await asyncio.get_running_loop().run_in_executor(None, proc.cache.put, url, identity, data)
     return bytes(data)

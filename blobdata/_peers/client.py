@@ -30,6 +30,7 @@ from .._stores import H1Pool
 from .auth import Signer, answer_signature
 from .config import PeerTable
 from .homes import Homes
+from .rendezvous import service_of
 from .service import PATH, crc_text
 
 __all__ = ["HEDGE_MAX_S", "HEDGE_MIN_S", "HEDGE_SHARE", "PeerClient"]
@@ -126,13 +127,20 @@ class PeerClient:
 
     async def read(self, home: int, url: str, size: int, identity: str, bucket: Bucket) -> tuple[bytes, bool]:
         """``url``'s bytes (``size`` of them, pinned to ``identity``) from node ``home``, else from
-        ``bucket()``; and whether the peer's were taken."""
+        ``bucket()``; and whether another node's were taken. This node's own objects (``home`` is
+        :attr:`me`) that its cache missed are asked of its own service too: it reads each once, however
+        many of the node's processes and peers want it at the same time."""
+        if home == self.me:
+            service = service_of(self.table)
+            if service is not None:  # this process runs the node's service: no request to itself
+                data = await service.local(url, identity, size)
+                return (data if data is not None else (await bucket())[0]), False
         peer = self._peers[home]
         hedge: asyncio.Future[tuple[bytes, str]] | None = None
         if peer.down_until <= time.monotonic():
             data, hedge = await self._try(peer, url, size, identity, bucket)
             if data is not None:
-                return data, True
+                return data, home != self.me
         _stats.rec()[_stats.PEER_FALLBACK] += 1
         return (await (hedge if hedge is not None else bucket()))[0], False
 
@@ -223,7 +231,8 @@ class PeerClient:
             self._failed(peer, f"sent {url} wrong (identity, length, signature or checksum)")
             return None
         peer.timed(seconds, h.get("X-Blobdata-From") == "bucket")
-        _stats.note_peer(seconds, len(body))
+        if peer is not self._peers[self.me]:
+            _stats.note_peer(seconds, len(body))
         return body
 
     @staticmethod

@@ -113,7 +113,8 @@ def peers_setting(peers: bool | Peers | None) -> Peers | None:
 @dataclasses.dataclass(frozen=True)
 class PeerTable:
     """What every process of the job knows of the peers after the rendezvous: the job's secret, each
-    node's name and service address (``host:port``) in node order, and which node this process is on.
+    node's name and service address (``host:port``; this node's as its own processes reach it) in node
+    order, and which node this process is on.
     Plain data: it travels to DataLoader workers with the dataset. The secret is never shown."""
 
     secret: bytes = dataclasses.field(repr=False)

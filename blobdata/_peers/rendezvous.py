@@ -132,30 +132,32 @@ def join(config: Peers) -> PeerTable | None:
     name = config.node_name or host
     if serves:
         service = _start(secret, host, config.port)
-        entry = json.dumps({"name": name, "address": config.advertise or service.address})
-        store.set(prefix + f"node/{node}", entry)
-    names, addresses = [], []
+        # "local": where the node's own processes reach it (where it listens: a NAT may not loop back)
+        entry = {"name": name, "address": config.advertise or service.address, "local": service.address}
+        store.set(prefix + f"node/{node}", json.dumps(entry))
+    names, addresses, local = [], [], ""
     for k in range(nnodes):
         text = _get(store, prefix + f"node/{k}", config.timeout, f"node {k}'s address")
         try:
             got = json.loads(text)
-            n, a = got["name"], got["address"]
+            n, a, here = got["name"], got["address"], got["local"]
         except (ValueError, KeyError, TypeError):
-            n = a = None
-        if (
-            not isinstance(n, str)
-            or not isinstance(a, str)
-            or not n.isprintable()
-            or not _ADDRESS.fullmatch(a)
+            n = a = here = None
+        if not (
+            isinstance(n, str)
+            and n.isprintable()
+            and all(isinstance(x, str) and _ADDRESS.fullmatch(x) for x in (a, here))
         ):
             raise ConfigError(f"peers: node {k}'s entry in the job's store is not a name and host:port")
         names.append(n)
         addresses.append(a)
+        local = here if k == node else local
     if len(set(names)) != nnodes:
         raise ConfigError(
             f"peers: the nodes' names are not distinct ({names}); give each node its own "
             "Peers(node_name=...) or host"
         )
+    addresses[node] = local
     table = PeerTable(secret, tuple(names), tuple(addresses), node, config.per_peer)
     if serves:
         service.homes, service.me = Homes(table.names), node

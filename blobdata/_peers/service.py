@@ -214,6 +214,15 @@ class Service:
         # shield: a request whose asker left does not cancel the read the others wait for
         return await asyncio.shield(fut), "bucket"
 
+    async def local(self, url: str, identity: str, size: int) -> bytes | None:
+        """An object this node is home for, read by this process itself (the look-ahead, a hand-over)
+        the way the service reads it for a peer: from the cache, else once from the bucket, however
+        many ask at the same time. None if no source of this service has it."""
+        found = self._source_of(url)
+        if found is None:
+            return None
+        return (await self._object(found, url, identity, size))[0]
+
     async def _read(self, fetch: Fetch, owner: Any, url: str, identity: str, size: int) -> bytes:
         key = (url, identity)
         try:

@@ -3,17 +3,17 @@
 ``SPEC`` is a JSON file (test credentials only)::
 
     {"url", "storage_options", "store": [host, port], "job", "nnodes", "node_rank", "host",
-     "advertise" (optional), "cache", "cache_size", "kind": "folder" | "blob",
+     "port", "advertise" (optional), "cache", "cache_size", "kind": "folder" | "blob",
      "sampler": "elastic" | "distributed", "world", "epochs": [0, 1], "batch_size", "workers",
      "stop_after" (batches of the last epoch, optional), "state_in", "state_out" (paths, optional),
-     "die_after" ([epoch, batches]: SIGKILL itself there, optional), "barrier": nodes that meet between
-     epochs (0: none), "final": nodes that meet at the end, "out"}
+     "die_after" ([epoch, batches]: SIGKILL itself there, optional), "out"}
 
 Each object's bytes begin with its sample number (8 digits), so what the node read is checked by the
 test against what it uploaded: ``out`` gets ``{"epochs": [{"epoch", "samples": [[number, sha256], ...],
-"stats": {...}}], "state": ...}`` (stats: the loader's, counted over that epoch). Between epochs the
-nodes wait for each other in the store, and at the end for all of them, so that each node's service
-serves the others until they are done.
+"stats": {...}}], "state": ...}`` (stats: the loader's, counted over that epoch). Before each epoch and
+at the end the node arrives at a meeting point in the store and waits for the test to let it go on
+(:func:`tests.support.peer_nodes.run_nodes`), so that each node's service serves the others until all
+are done.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 
@@ -35,15 +34,13 @@ def as_list(batch: list[Any]) -> list[Any]:
     return batch
 
 
-def _barrier(store: Any, name: str, n: int, timeout: float = 120.0) -> None:
-    if n <= 0:
-        return
-    store.add(name, 1)
-    deadline = time.monotonic() + timeout
-    while int(store.add(name, 0)) < n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {name}: {store.add(name, 0)} of {n} nodes came")
-        time.sleep(0.02)
+def _meet(store: Any, job: str, point: str, timeout: float = 200.0) -> None:
+    """Arrive at ``point`` and wait for the test to let the nodes go on (it counts the bucket's GETs
+    between points)."""
+    import datetime
+
+    store.add(f"{job}/arrive/{point}", 1)
+    store.wait([f"{job}/go/{point}"], datetime.timedelta(seconds=timeout))
 
 
 def _payload(sample: Any) -> bytes:
@@ -62,7 +59,7 @@ def main(argv: list[str]) -> int:
     store = dist.TCPStore(spec["store"][0], spec["store"][1], is_master=False)
     peers = Peers(
         store=store, nnodes=spec["nnodes"], node_rank=spec["node_rank"], host=spec["host"],
-        advertise=spec.get("advertise"), job=spec["job"], timeout=60,
+        port=spec.get("port", 0), advertise=spec.get("advertise"), job=spec["job"], timeout=60,
     )  # fmt: skip
     cache = BlobCache(spec["cache"], size_limit=spec.get("cache_size", "1GB"))
     options = spec["storage_options"]
@@ -90,7 +87,7 @@ def main(argv: list[str]) -> int:
     die = spec.get("die_after")
     before = loader.stats().as_dict()
     for epoch in epochs:
-        _barrier(store, f"{spec['job']}/epoch/{epoch}", spec.get("barrier", 0))
+        _meet(store, spec["job"], str(epoch))
         sampler.set_epoch(epoch)
         samples = []
         for k, batch in enumerate(loader):
@@ -112,7 +109,7 @@ def main(argv: list[str]) -> int:
             json.dump(out["state"], fh)
     with open(spec["out"], "w") as fh:
         json.dump(out, fh)
-    _barrier(store, f"{spec['job']}/final", spec.get("final", spec["nnodes"]))
+    _meet(store, spec["job"], "end")  # serve the others until they are done
     return 0
 
 
