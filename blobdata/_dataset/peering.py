@@ -4,7 +4,6 @@ its node's service makes for them. The asking side is in the read path (``_fetch
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from .._cache import BlobCache
@@ -33,11 +32,8 @@ def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> 
 
 
 async def serve_peer(ds: Any, url: str, size: int | None, identity: str) -> bytes:
-    """An object of ``ds`` that this node is home for, asked by a peer and missing in the cache: read
-    from the bucket (pinned to ``identity``) and put in the cache before it is answered (in a thread:
-    a put is a transaction), so that the node's own next read of it is a hit."""
-    proc = ds._process()
-    data, _ = await proc.engine.fetch(url, size=size, identity=identity)
-    if proc.cache is not None:  # counted as peers_served_fetched by the service
-        await asyncio.get_running_loop().run_in_executor(None, proc.cache.put, url, identity, data)
+    """An object of ``ds`` that this node is home for and its cache misses, asked by a peer (or one of
+    this node's processes): read from the bucket through ``ds``'s engine (the node's throttle state,
+    the one retry budget), pinned to ``identity``. The service puts it in the cache."""
+    data, _ = await ds._process().engine.fetch(url, size=size, identity=identity)
     return bytes(data)

@@ -3,10 +3,11 @@
 Nothing a client sends decides how much memory a connection takes: a request head is refused past
 :data:`MAX_HEAD` bytes (431), a request with a body (``Content-Length`` other than 0, any
 ``Transfer-Encoding``), a line with a bare CR or LF, a repeated header or a method other than GET is
-refused (400, 405) and the connection closed. One request at a time per connection, as the asking side
-sends them (bytes that arrive meanwhile wait, bounded as a head is); the next is read once the answer is
-written and the socket's buffer has drained. At most ``max_connections`` connections at once: more are
-closed at accept. What the answer says is the handler's (:mod:`.service`).
+refused (400, 405) and the connection closed, as after any answer but 200 and 503. One request at a
+time per connection, as the asking side sends them (bytes that arrive meanwhile wait, bounded as a head
+is); the next is read once the answer is written and the socket's buffer has drained. At most
+``max_connections`` connections at once: more are closed at accept. What the answer says is the
+handler's (:mod:`.service`).
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ class _Conn(asyncio.Protocol):
         except Exception as exc:  # the handler's own failure: an answer all the same
             reply = _plain(500, f"{type(exc).__name__}")
         self.task = None
-        self._answer(reply, close=close)
+        # A refusal ends the connection (a stranger keeps none open); busy (503) is a moment's.
+        self._answer(reply, close=close or reply.status not in (200, 503))
 
     def _answer(self, reply: Reply, *, close: bool) -> None:
         t = self.transport

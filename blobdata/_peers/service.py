@@ -42,7 +42,7 @@ RECENT_BYTES = 64 * 2**20
 _RECENT_S = 5.0  # seconds an object just read is kept for asks that come before the cache has it
 _MAX_URL = 8192
 
-#: ``fetch(owner, url, size, identity)``: one object read from the bucket, and offered to the cache.
+#: ``fetch(owner, url, size, identity)``: one object read from the bucket (the service caches it).
 Fetch = Callable[[Any, str, "int | None", str], Awaitable[bytes]]
 
 
@@ -208,7 +208,7 @@ class Service:
         fut = self._fetching.get(key)
         if fut is None:
             fut = self._fetching[key] = asyncio.ensure_future(
-                self._read(source.fetch, owner, url, identity, size)
+                self._read(source, owner, url, identity, size)
             )
             fut.add_done_callback(_retrieve)  # every asker may have left: its error is read here
         # shield: a request whose asker left does not cancel the read the others wait for
@@ -223,14 +223,17 @@ class Service:
             return None
         return (await self._object(found, url, identity, size))[0]
 
-    async def _read(self, fetch: Fetch, owner: Any, url: str, identity: str, size: int) -> bytes:
+    async def _read(self, source: Source, owner: Any, url: str, identity: str, size: int) -> bytes:
+        """The object read from the bucket, then put in the cache (in a thread: a put is a transaction)
+        before anyone is answered, so that the node's own next read of it is a hit."""
         key = (url, identity)
         try:
-            data = await fetch(owner, url, size if size >= 0 else None, identity)
+            data = await source.fetch(owner, url, size if size >= 0 else None, identity)
+            self._remember(key, data)
+            await asyncio.get_running_loop().run_in_executor(None, source.cache.put, url, identity, data)
         finally:
             self._fetching.pop(key, None)
         _stats.rec()[_stats.PEER_SERVED_FETCHED] += 1
-        self._remember(key, data)
         return data
 
     def _remember(self, key: tuple[str, str], data: bytes) -> None:
