@@ -1,6 +1,8 @@
-"""A batch's bytes by the shortest way: what the look-ahead read ahead from the node cache, local files
-and cache hits read in the thread that serves the batch (one index query per batch, no event loop, no
-task per sample), and only the rest fetched on the process's loop.
+"""A batch's bytes by the shortest way: local files and cache hits read in the thread that serves the
+batch (one index query per batch, no event loop, no task per sample), and only the rest fetched on the
+process's loop, or taken from what the look-ahead fetched there. The look-ahead fetches only what the
+node cache does not hold (it looks upcoming samples up there, one query per batch): what the cache holds
+is read here, when its batch comes, by the thread that uses the bytes.
 
 The thread serving batches counts what it read itself, once per batch, in slots of its own
 (:data:`blobdata._metrics.stats.B_FROM_CACHE` ...): each counter keeps one writer thread.
@@ -25,9 +27,11 @@ from .._metrics import stats as _stats
 from .._stores import read_local_file, resolve_storage_options
 from .ahead import BuiltAhead
 
+__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch"]
+
 
 class Dataset(Protocol):
-    """What the reads need of a dataset (:class:`~blobdata._dataset.base.Dataset`)."""
+    """What the reads need of a dataset (:class:`~blobdata._dataset.base.BlobDatasetBase`)."""
 
     _url: str
     _local_root: str | None
@@ -40,7 +44,6 @@ class Dataset(Protocol):
 
     def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError: ...
 
-__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch"]
 
 #: How long a batch waits for the look-ahead to move past the batch before it (it reads the cache for
 #: what comes next): a loop that is this late is stuck, and the batch reads what it needs itself.
