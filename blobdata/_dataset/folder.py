@@ -23,7 +23,7 @@ from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import decode, decode_with, default_loader
 from .._errors import BlobdataError, ConfigError
-from .._listing import Manifest, listing_params, load_or_list, shared_manifest
+from .._listing import Manifest, help_list, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
 from .._sampling import enter_sample, leave_sample
 from .._stores import resolve_storage_options
@@ -132,7 +132,9 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
             local_root=self._local_root,
         )
         key = repr(listing_params(exts, valid))
-        listed = shared_manifest(self._url, make, key=key) if share_listing else make()
+        help = functools.partial(help_list, self._url, storage_options=make.keywords["storage_options"],
+                                 fetch_options=self.fetch_options)  # the listing split across the job
+        listed = shared_manifest(self._url, make, key=key, help=help) if share_listing else make()
         self._manifest, self._targets = listed, listed.targets
         self.classes: list[str] = list(listed.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}

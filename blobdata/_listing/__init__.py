@@ -27,6 +27,7 @@ from .flat import list_flat, load_or_list_flat
 from .folders import IMG_EXTENSIONS, identity_from_info, list_folder, list_with, listing_params, load_or_list
 from .manifest import Manifest, manifest_path
 from .samples import Member, SampleTable, split_key
+from .split import help_list
 from .tablefile import is_table, load_table, save_table, table_from_bytes, table_to_bytes
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "dist_info",
     "env_info",
     "filter_identity",
+    "help_list",
     "identity_from_info",
     "list_folder",
     "list_with",

@@ -17,6 +17,7 @@ from .distributed import shared_manifest, shared_table
 from .flat import load_or_list_flat
 from .manifest import Manifest
 from .samples import SampleTable, group_listing
+from .split import help_list
 
 __all__ = ["METADATA_NAMES", "build_table"]
 
@@ -63,7 +64,9 @@ def build_table(
         load_or_list_flat, root, storage_options=storage_options, refresh=refresh, manifest=manifest,
         fetch_options=fetch_options, max_age=max_age,
     )  # fmt: skip
-    listing = shared_manifest(root, make, key="flat") if share else make()
+    help = functools.partial(help_list, root, storage_options=storage_options, fetch_options=fetch_options,
+                             flat=True)  # fmt: skip
+    listing = shared_manifest(root, make, key="flat", help=help) if share else make()
     relkeys = [listing.relkey(j) for j in range(len(listing))]
     if metadata is None:
         metadata = find_metadata(relkeys, METADATA_NAMES)

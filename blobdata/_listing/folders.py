@@ -22,13 +22,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_duration
 from .._errors import BlobdataError, ConfigError, EmptyDatasetError, ManifestError, NotFound
 from .._loop import run
 from .._metrics import progress as _progress
 from .._retry import final_error
 from .._stores import (
-    Entry,
+    Columns,
+    Growing,
     Lister,
     credential_hint,
     identity_from_info,
@@ -37,8 +40,11 @@ from .._stores import (
     resolve_storage_options,
 )
 from .._url import BlobURL, check_relkeys, parse_url
+from . import split
+from .bulk import valid_by, walk_sorted, with_extensions
 from .filters import UNIDENTIFIED, filter_identity
 from .manifest import Manifest, manifest_path
+from .split import Job
 
 __all__ = ["IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list"]
 
@@ -74,12 +80,6 @@ def _validator(
     return (lambda relkey, path: not relkey.endswith("/") and relkey.lower().endswith(exts)), exts
 
 
-def _walk_order(relkey: str) -> tuple[str, str]:
-    # sorted(os.walk(d)) sorts directories by their full path; sorted(fnames) within each.
-    head, _, tail = relkey.rpartition("/")
-    return head, tail
-
-
 def listing_params(
     extensions: tuple[str, ...] | None, is_valid_file: Callable[[str], bool] | None
 ) -> dict[str, Any]:
@@ -111,7 +111,7 @@ def _check_nonempty(manifest: Manifest, extensions: tuple[str, ...] | None) -> N
 
 async def _list(
     url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions, progress: bool | None = None
-) -> tuple[list[str], list[list[Entry]]]:
+) -> tuple[list[str], list[Columns]]:
     """(sorted class names, the raw objects below each, then those below an empty-named folder if any)."""
     lister = lister_for(url, storage_options, options)
     try:
@@ -149,9 +149,10 @@ def _found(url: BlobURL, lister: Lister) -> str:
             "without class folders")  # fmt: skip
 
 
-async def list_with(
-    lister: Lister, url: BlobURL, concurrency: int, progress: bool | None = False
-) -> tuple[list[str], list[list[Entry]]]:
+async def class_folders(lister: Lister, url: BlobURL) -> list[str]:
+    """The class folders below ``url``, sorted, then ``""`` when keys such as ``root//x.jpg`` lie in a folder
+    with an empty name (listed only to be named as skipped); the errors ImageFolder raises when there
+    is nothing, or no class folder."""
     root = str(url)
     names, anything = await lister.folders()
     if not anything and url.protocol == "file" and os.path.isdir(url.prefix):
@@ -167,14 +168,20 @@ async def list_with(
     if not classes:
         where = url.prefix if url.protocol == "file" else root
         raise EmptyDatasetError(f"Couldn't find any class folder in {where}{_found(url, lister)}", url=root)
-    sem = asyncio.Semaphore(concurrency)
+    return classes + ([""] if "" in names else [])
 
-    # "" is the folder of keys such as root//x.jpg: listed only to report them as skipped.
-    folders = classes + ([""] if "" in names else [])
+
+async def list_with(
+    lister: Lister, url: BlobURL, concurrency: int, progress: bool | None = False
+) -> tuple[list[str], list[Columns]]:
+    root = str(url)
+    folders = await class_folders(lister, url)
+    classes = [f for f in folders if f]
+    sem = asyncio.Semaphore(concurrency)
     bar = _progress.bar(desc=f"listing {root}", total=len(folders), unit="prefix", progress=progress)
     listed = 0
 
-    async def one(folder: str) -> list[Entry]:
+    async def one(folder: str) -> Columns:
         nonlocal listed
         async with sem:
             found = await lister.below(folder)
@@ -195,6 +202,31 @@ async def list_with(
     return classes, list(results)
 
 
+def _in_order(
+    results: list[Columns],
+    classes: list[str],
+    check: Callable[[str, str], bool],
+    exts: tuple[str, ...] | None,
+    prefix: str,
+) -> tuple[Columns, list[int]]:
+    """Every class's valid objects in ImageFolder's order, one class after the other, and how many each
+    has; each class's columns are let go once taken (``results`` is emptied)."""
+    counts: list[int] = []
+    parts = Growing()
+    single: Columns | None = None
+    for name in classes:
+        objects = results.pop(0)
+        keep = with_extensions(objects, exts) if exts is not None else valid_by(objects, check, prefix)
+        objects = walk_sorted(objects.take(keep), name + "/")
+        counts.append(len(objects))
+        if len(counts) == 1 and not results:  # one class: its arrays are the manifest's, no copy
+            single = objects
+        else:
+            parts.add(objects)
+        del objects
+    return (single if single is not None else parts.done()), counts
+
+
 def list_folder(
     url: str,
     *,
@@ -206,6 +238,7 @@ def list_folder(
     fetch_options: FetchOptions | None = None,
     progress: bool | None = None,
     local_root: str | None = None,
+    together: Job | None = None,
 ) -> Manifest:
     """List ``url`` (a folder with one sub-folder per class) into a Manifest, ImageFolder order.
 
@@ -219,6 +252,7 @@ def list_folder(
     Raises EmptyDatasetError (a FileNotFoundError) when there is no class folder or, unless
     ``allow_empty``, a class has no valid file; NotFound, AccessDenied,
     FetchError for a missing bucket/prefix, refused credentials or an unreachable endpoint.
+    ``together``: rank 0's side of a listing split across the job (:mod:`blobdata._listing.split`).
     """
     parsed = parse_url(url)
     root = str(parsed)
@@ -228,7 +262,14 @@ def list_folder(
     listed_at = time.time()
     t0 = time.monotonic()
     try:
-        classes, results = run(_list(parsed, opts, options, progress))
+        if together is not None:
+            got = split.together(
+                lambda: (parsed, opts), options, together, lambda lister: class_folders(lister, parsed)
+            )
+            assert got is not None  # rank 0's
+            classes, results = [f for f in got[0] if f], got[1]
+        else:
+            classes, results = run(_list(parsed, opts, options, progress))
     except BlobdataError:
         raise
     except Exception as exc:
@@ -239,26 +280,24 @@ def list_folder(
     if parsed.protocol == "file":
         under = local_root if local_root is not None else parsed.prefix
         prefix = under if under.endswith(os.sep) else under + os.sep
-    per_class: list[list[Entry]] = []
-    for objs in results[: len(classes)]:
-        kept = [o for o in objs if check(o[0], prefix + o[0])]
-        kept.sort(key=lambda o: _walk_order(o[0]))
-        per_class.append(kept)
-    skipped = (
-        [root + "/" + o[0] for o in results[len(classes)] if not o[0].endswith("/")]
-        if len(results) > len(classes)
-        else []
-    )
+    skipped: list[str] = []
+    if len(results) > len(classes):
+        skipped = [root + "/" + k for k in results.pop().key_list() if not k.endswith("/")]
     if skipped:
         logger.warning(
             "%d object(s) under %s lie in a folder with an empty name and belong to no class; skipped, "
             "e.g. %s", len(skipped), root, ", ".join(skipped[:3]),
         )  # fmt: skip
-    entries = ((key, size, ident, t) for t, objs in enumerate(per_class) for key, size, ident in objs)
-    manifest = Manifest.from_entries(
+    objects, counts = _in_order(results, classes, check, exts, prefix)
+    manifest = Manifest.from_arrays(
         root,
         classes,
-        entries,
+        keys=objects.keys,
+        key_offsets=objects.key_offsets,
+        sizes=objects.sizes,
+        targets=np.repeat(np.arange(len(classes), dtype=np.int32), counts),
+        ids=objects.ids,
+        id_offsets=objects.id_offsets,
         listed_at=listed_at,
         skipped=skipped,
         params=listing_params(extensions, is_valid_file),
@@ -333,6 +372,7 @@ def load_or_list(
     progress: bool | None = None,
     max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
     local_root: str | None = None,
+    together: Job | None = None,
 ) -> Manifest:
     """The remembered listing of ``url``.
 
@@ -341,13 +381,42 @@ def load_or_list(
     :func:`~blobdata._listing.manifest.manifest_path` when it is there and valid (no request to the store),
     else list and remember it (``save``). ``refresh=True`` always lists again. ``memory://``
     listings are never remembered (that store lives and dies with the process). ``progress``: bars
-    for a listing or a manifest download (None: when stderr is a terminal).
+    for a listing or a manifest download (None: when stderr is a terminal). ``together``: rank 0's
+    side of a listing split across the job: the other ranks are told whether to list with it
+    (:mod:`blobdata._listing.split`).
     """
+    with split.leading(together):
+        return _load_or_list(
+            url, storage_options=storage_options, refresh=refresh, manifest=manifest, extensions=extensions,
+            is_valid_file=is_valid_file, allow_empty=allow_empty, concurrency=concurrency,
+            fetch_options=fetch_options, save=save, progress=progress, max_age=max_age, local_root=local_root,
+            together=together,
+        )  # fmt: skip
+
+
+def _load_or_list(
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None,
+    refresh: bool,
+    manifest: str | os.PathLike[str] | None,
+    extensions: tuple[str, ...] | None,
+    is_valid_file: Callable[[str], bool] | None,
+    allow_empty: bool,
+    concurrency: int | None,
+    fetch_options: FetchOptions | None,
+    save: bool,
+    progress: bool | None,
+    max_age: float | str | None,
+    local_root: str | None,
+    together: Job | None,
+) -> Manifest:
     parsed = parse_url(url)
     root = str(parsed)
     _check, exts = _validator(extensions, is_valid_file)
     opts = resolve_storage_options(parsed.protocol, storage_options)
     if manifest is not None:
+        split.announce(together, listing=False)
         source = os.fspath(manifest)
         m_proto = parse_url(source).protocol if "://" in source else "file"
         m_opts = opts if m_proto == parsed.protocol else None
@@ -377,9 +446,11 @@ def load_or_list(
     path = manifest_path(root, listing_scope(parsed.protocol, opts), params)
     remembered = load_remembered(path, root, max_age) if remember and not refresh else None
     if remembered is not None:
+        split.announce(together, listing=False)
         if not allow_empty:
             _check_nonempty(remembered, exts)
         return remembered
+    split.announce(together, listing=True)
     listed = list_folder(
         url,
         storage_options=storage_options,
@@ -390,6 +461,7 @@ def load_or_list(
         fetch_options=fetch_options,
         progress=progress,
         local_root=local_root,
+        together=together,
     )
     if remember:
         try:

@@ -26,16 +26,24 @@ from typing import Any
 from .._config import FetchOptions
 from .._url import BlobURL
 from . import local
-from .base import Entry, Lister, Reader, ReadResult, StoreInfo, listed_size
+from .base import Columns, Entry, Growing, Lister, Reader, ReadResult, StoreInfo, listed_size
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
 from .options import options_token, redact
+from .s3_ranges import Board, LocalBoard, Part, RangeInfo, consistent
 
 __all__ = [
+    "Board",
+    "Columns",
     "Entry",
+    "Growing",
     "Lister",
+    "LocalBoard",
+    "Part",
+    "RangeInfo",
     "ReadResult",
     "Reader",
     "StoreInfo",
+    "consistent",
     "credential_hint",
     "get_fs",
     "identity_from_info",

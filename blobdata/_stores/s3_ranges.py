@@ -34,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import json
 import logging
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import quote
 
+from .base import Columns, Growing
 from .h1 import Response
 from .s3 import LIST_BODY_CAP, S3Reader
 from .s3xml import ListPage, list_query, parse_list_page
@@ -54,11 +56,13 @@ class _Lister(Protocol):
     ) -> AsyncIterator[ListPage]: ...
 
 
-__all__ = ["list_prefix", "list_page_after"]
+__all__ = [
+    "Board", "LocalBoard", "Part", "RangeInfo", "consistent", "list_page_after", "list_part", "list_prefix",
+    "relist",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
-Found = tuple[str, int, str]  # (full key, size, etag)
 _FIRST_RANGES = 2
 _SEQUENTIAL_PAGES = 2  # pages read one after the other before any range
 
@@ -134,122 +138,303 @@ class _Space:
 class _Range:
     after: str | None  # keys after this one (None: the first page's listing, continued)
     upto: str | None  # up to and including this one (None: to the end)
-    found: list[Found] = dataclasses.field(default_factory=list)
+    found: Growing = dataclasses.field(default_factory=Growing)  # its keys, ``cut`` bytes shorter
+    count: int = 0
     first_seen: str | None = None  # the first key its requests returned, before any cut
     stop: str | None = None  # the first key past ``upto`` (None: the listing ended)
     sound: bool = True  # its keys increased and lay in (after, upto]
+    done: bool = False
 
 
-async def _run(r: _Range, pages: AsyncIterator[ListPage]) -> _Range:
-    last = r.after
+class RangeInfo(NamedTuple):
+    """What a range found, without its keys: enough to check that ranges make one listing."""
+
+    after: str | None
+    upto: str | None
+    first_seen: str | None
+    stop: str | None
+    sound: bool
+    listed: int  # keys
+
+
+def _first_unordered(objects: Columns, last: bytes | None) -> int:
+    """The first key not above the one before it (``last`` before the first), by bytes; ``len``: none."""
+    for i in range(len(objects)):
+        key = objects.key_bytes(i)
+        if last is not None and key <= last:
+            return i
+        last = key
+    return len(objects)
+
+
+def _bisect_above(objects: Columns, bound: bytes, hi: int) -> int:
+    """The first of the (increasing) keys ``[0, hi)`` above ``bound``; ``hi`` when none is."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if objects.key_bytes(mid) > bound:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+async def _run(r: _Range, pages: AsyncIterator[ListPage], cut: int = 0) -> _Range:
+    last = r.after.encode("utf-8", "surrogatepass") if r.after is not None else None
+    upto = r.upto.encode("utf-8", "surrogatepass") if r.upto is not None else None
     try:
         async for page in pages:
-            for key, size, etag in zip(page.keys, page.sizes, page.etags, strict=True):
-                if r.first_seen is None:
-                    r.first_seen = key
-                if r.upto is not None and key > r.upto:
-                    r.stop = key
-                    return r
-                if last is not None and key <= last:
+            objects = page.objects
+            n = len(objects)
+            if not n:
+                continue
+            if r.first_seen is None:
+                r.first_seen = objects.key(0)
+            if page.ordered and (last is None or objects.key_bytes(0) > last):
+                ordered = n  # the listing checked the rest
+            else:
+                ordered = _first_unordered(objects, last)
+            keep = _bisect_above(objects, upto, ordered) if upto is not None else ordered
+            r.found.add(objects.head(keep).cut(cut))
+            r.count += keep
+            if keep < n:
+                if keep < ordered or (upto is not None and objects.key_bytes(keep) > upto):
+                    r.stop = objects.key(keep)
+                else:
                     r.sound = False
-                    return r
-                r.found.append((key, size, etag))
-                last = key
+                return r
+            last = objects.key_bytes(n - 1)
         return r
     finally:
+        r.done = True
         await pages.aclose()  # type: ignore[attr-defined]
 
 
-def _consistent(ranges: list[_Range]) -> bool:
+def consistent(ranges: Sequence[RangeInfo]) -> bool:
     """Whether the ranges, in order, are one listing (see the module docstring)."""
     for i in range(len(ranges) - 1):
         r, nxt = ranges[i], ranges[i + 1]
         if not r.sound:
             return False
         if r.stop is None:  # the listing ended here: nothing may lie after
-            return all(not later.found and later.sound for later in ranges[i + 1 :])
+            return all(not later.listed and later.sound for later in ranges[i + 1 :])
         if r.stop != nxt.first_seen:
             return False
     return ranges[-1].sound and ranges[-1].stop is None
 
 
-async def _bounded(slots: asyncio.Semaphore, lister: _Lister, prefix: str, r: _Range) -> _Range:
-    async with slots:
-        return await _run(r, lister._pages(prefix, None, start_after=r.after))
+class Board(Protocol):
+    """Where the processes listing one prefix meet: ``torch.distributed``'s ``Store`` (set, get, which
+    waits for the key, compare_set), or :class:`LocalBoard` in one process. Its keys: ``state``
+    (``small``: the lead listed it all; ``big``: ranges), ``sample`` and ``width`` (the lead's first
+    pages, which fix the split strings), ``frontier`` (the first key no range claimed yet, and who
+    claimed last) and ``reach`` (a key past a gap)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+
+class LocalBoard:
+    """A :class:`Board` of one process."""
+
+    remote = False
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self._data[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self._data[key]
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        if self._data.get(key, b"") == expected:
+            self._data[key] = desired
+        return self._data[key]
+
+
+_END = b"\xff"  # no key is this (keys are UTF-8): the frontier once the listing has ended
+
+
+async def _ask(board: Board, op: str, *args: Any) -> Any:
+    """A board operation; a shared store's off the event loop (it waits on the network)."""
+    call = getattr(board, op)
+    if getattr(board, "remote", True):
+        return await asyncio.to_thread(call, *args)
+    return call(*args)
+
+
+def _enc(key: str | None) -> bytes:
+    return _END if key is None else key.encode("utf-8", "surrogatepass")
+
+
+def _dec(value: bytes) -> str | None:
+    return None if value == _END else value.decode("utf-8", "surrogatepass")
+
+
+@dataclasses.dataclass
+class Part:
+    """What one process listed of a prefix: its ranges (in key order) and their keys, one after the
+    other in ``objects`` (``cut`` bytes shorter). ``lead``: it read the first pages."""
+
+    ranges: list[RangeInfo]
+    objects: Columns
+    lead: bool = False
 
 
 async def list_prefix(
-    lister: _Lister, prefix: str, limit: int, slots: asyncio.Semaphore, page_keys: int = 1000
-) -> list[Found]:
+    lister: _Lister, prefix: str, limit: int, slots: asyncio.Semaphore, page_keys: int = 1000, *, cut: int = 0
+) -> Columns:
     """Every key under ``prefix``, in the store's order, with ranges listed at once: up to ``limit`` for
-    this prefix, each extra range holding one of the lister's ``slots`` while it lists."""
-    pages = lister._pages(prefix, None)
-    found: list[Found] = []
-    read = 0
-    async for page in pages:  # the first pages one after the other: most prefixes end within them
-        found.extend(zip(page.keys, page.sizes, page.etags, strict=True))
-        read += 1
-        if page.next_token is not None and read >= _SEQUENTIAL_PAGES and limit >= 2 and len(found) >= 2:
-            break
+    this prefix, each extra range holding one of the lister's ``slots`` while it lists. Keys come
+    without their first ``cut`` bytes (the lister's root)."""
+    part = await list_part(lister, prefix, limit, slots, page_keys, cut=cut, board=LocalBoard(), lead=True)
+    if consistent(part.ranges):
+        return part.objects
+    return await relist(lister, prefix, cut)
+
+
+async def relist(lister: _Lister, prefix: str, cut: int) -> Columns:
+    """``prefix`` page by page: where the ranges did not make one listing (see the module docstring)."""
+    logger.info("listing %s://%s/%s: the store's start-after (GCS: startOffset) does not follow the key "
+                "order; listed page by page instead", getattr(lister, "store", "s3"), lister.url.bucket,
+                prefix)  # fmt: skip
+    out = Growing()
+    async for page in lister._pages(prefix, None):
+        out.add(page.objects.cut(cut))
+    return out.done()
+
+
+async def list_part(
+    lister: _Lister, prefix: str, limit: int, slots: asyncio.Semaphore, page_keys: int = 1000, *, cut: int,
+    board: Board, lead: bool, nonce: str = "",
+) -> Part:  # fmt: skip
+    """This process's part of ``prefix``, listed with the others that share ``board``: the ``lead``
+    reads the first pages and, for a prefix longer than that, publishes the split strings; then every
+    process claims ranges from the board's frontier until the listing ends. ``nonce`` tells this
+    process's claims from the others'."""
+    head = _Range(None, None)
+    pages: AsyncIterator[ListPage] | None = None
+    if lead:
+        pages = lister._pages(prefix, None)
+        keys: list[str] = []
+        read = 0
+        async for page in pages:  # the first pages one after the other: most prefixes end within them
+            head.found.add(page.objects.cut(cut))
+            head.count += len(page.objects)
+            keys += page.keys
+            read += 1
+            if page.next_token is not None and read >= _SEQUENTIAL_PAGES and limit >= 2 and len(keys) >= 2:
+                break
+        else:
+            await _ask(board, "set", "state", b"small")
+            info = RangeInfo(None, None, keys[0] if keys else None, None, True, head.count)
+            return Part([info], head.found.done(), lead=True)
+        start = len(prefix)
+        space = _Space([k[start:] for k in keys])
+        span = max(1, space.value(keys[-1][start:]) - space.value(keys[0][start:]))
+        width = max(1, span * page_keys * 9 // (10 * (len(keys) - 1)))  # 0.9 page: one request a range
+        head.first_seen = keys[0]
     else:
-        return found
-    cut = len(prefix)
-    keys = [f[0] for f in found]
-    space = _Space([k[cut:] for k in keys])
-    span = max(1, space.value(keys[-1][cut:]) - space.value(keys[0][cut:]))
-    width = max(1, span * page_keys * 9 // (10 * (len(keys) - 1)))  # 0.9 page: one request a range
+        if await _ask(board, "get", "state") == b"small":
+            return Part([], Columns.empty())
+        keys = json.loads(await _ask(board, "get", "sample"))
+        width = int(await _ask(board, "get", "width"))
+        start = len(prefix)
+        space = _Space([k[start:] for k in keys])
 
     def after(key: str, span: int) -> str | None:
-        s = space.string(space.value(key[cut:]) + span)
+        s = space.string(space.value(key[start:]) + span)
         if s is None:
             return None
         nxt = prefix + s
         return nxt if nxt > key else key + "!"
 
-    frontier = after(keys[-1], width)
-    head = _Range(None, frontier, first_seen=keys[0])
-    head.found = found
-    ranges = [head]
-    running: dict[asyncio.Task[_Range], _Range] = {
-        asyncio.ensure_future(_run(head, pages)): head  # the first page's listing goes on
-    }
-    in_flight, ended, reach = _FIRST_RANGES, False, frontier
+    if lead:
+        head.upto = after(keys[-1], width)
+        await _ask(board, "set", "frontier", _enc(head.upto) + b"\xff")
+        await _ask(board, "set", "sample", json.dumps(keys).encode())
+        await _ask(board, "set", "width", str(width).encode())
+        await _ask(board, "set", "state", b"big")
+    del keys
+    claims = 0
+
+    async def claim() -> _Range | None:
+        """The next range of the key space, claimed on the board; None once it has ended."""
+        nonlocal claims
+        while True:
+            now = await _ask(board, "get", "frontier")
+            frontier = _dec(now.rsplit(b"\xff", 1)[0])
+            if frontier is None:
+                return None
+            reach = _dec(await _ask(board, "compare_set", "reach", b"", b""))
+            upto = after(max(frontier, reach) if reach else frontier, width)
+            claims += 1
+            mine = _enc(upto) + b"\xff" + f"{nonce}.{claims}".encode()
+            if await _ask(board, "compare_set", "frontier", now, mine) == mine:
+                return _Range(frontier, upto)
+
+    ranges = [head] if lead else []
+
+    async def next_range() -> _Range | None:
+        """A range claimed once a slot is free (so that a process claims no more than it lists at once),
+        and listed; None once the listing has ended."""
+        async with slots:
+            r = await claim()
+            if r is None:
+                return None
+            ranges.append(r)  # claims only move forward: this process's ranges stay in key order
+            return await _run(r, lister._pages(prefix, None, start_after=r.after), cut)
+
+    running: set[asyncio.Future[_Range | None]] = set()
+    if pages is not None:
+        running.add(asyncio.ensure_future(_run(head, pages, cut)))  # the first page's listing goes on
+    joined, ready = Growing(), 0  # my ranges done in order so far, in one set of arrays
+    in_flight, ended = _FIRST_RANGES, False
     try:
         while True:
-            while not ended and frontier is not None and len(running) < in_flight:
-                upto = after(max(frontier, reach) if reach is not None else frontier, width)
-                r = _Range(frontier, upto)
-                ranges.append(r)
-                running[asyncio.ensure_future(_bounded(slots, lister, prefix, r))] = r
-                frontier = upto
+            while not ended and len(running) < in_flight:
+                running.add(asyncio.ensure_future(next_range()))
             if not running:
                 break
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                r = running.pop(task)
-                task.result()  # a failed request fails the listing
+                running.discard(task)
+                r = task.result()  # a failed request fails the listing
+                if r is None:
+                    ended = True
+                    continue
                 if r.stop is None:
                     ended = True
-                elif not r.found and frontier is not None and r.stop > frontier:
-                    reach = r.stop  # a gap: the next range reaches past the key found
-                if (
-                    r.after is not None
-                ):  # aim at a page a range: wider after a thin one, narrower after a thick one
-                    if len(r.found) < page_keys // 2:
+                    await _ask(board, "set", "frontier", _END + b"\xff" + nonce.encode())
+                elif not r.count and r.upto is not None and r.stop > r.upto:
+                    await _raise_reach(board, r.stop)  # a gap: the next range reaches past the key found
+                if r.after is not None:  # aim at a page a range: wider after a thin one, narrower after
+                    if r.count < page_keys // 2:
                         width *= 2
-                    elif len(r.found) >= page_keys:
+                    elif r.count >= page_keys:
                         width = max(1, width * 4 // 5)
                 in_flight = min(limit, in_flight * 2)
+            while ready < len(ranges) and ranges[ready].done:  # joined as soon as the ranges before are
+                joined.add(ranges[ready].found.done())
+                ready += 1
     except BaseException:
         for task in running:
             task.cancel()
         raise
-    if _consistent(ranges):
-        return [f for r in ranges for f in r.found]
-    logger.info("listing %s://%s/%s: the store's start-after (GCS: startOffset) does not follow the key "
-                "order; listed page by page instead", getattr(lister, "store", "s3"), lister.url.bucket,
-                prefix)  # fmt: skip
-    out: list[Found] = []
-    async for page in lister._pages(prefix, None):
-        out.extend(zip(page.keys, page.sizes, page.etags, strict=True))
-    return out
+    infos = [RangeInfo(r.after, r.upto, r.first_seen, r.stop, r.sound, r.count) for r in ranges]
+    return Part(infos, joined.done(), lead=lead)
+
+
+async def _raise_reach(board: Board, key: str) -> None:
+    """``reach`` moved up to ``key`` unless another process moved it further."""
+    while True:
+        now = await _ask(board, "compare_set", "reach", b"", b"")
+        if now and _dec(now) is not None and (_dec(now) or "") >= key:
+            return
+        if await _ask(board, "compare_set", "reach", now, _enc(key)) == _enc(key):
+            return

@@ -415,6 +415,10 @@ def _page(body: str, url: str = "s3://b/p/") -> ListPage:
     return parse_list_page(body.encode(), url)
 
 
+def _fields(page: ListPage) -> tuple[Any, ...]:
+    return page.keys, page.sizes, page.etags, page.common_prefixes, page.next_token
+
+
 def test_parse_list_page_encoded_plain_and_malformed() -> None:
     ns = ' xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
     entry = "<Contents><Key>{}</Key><ETag>&quot;e1&quot;</ETag><Size>{}</Size></Contents>"
@@ -426,11 +430,11 @@ def test_parse_list_page_encoded_plain_and_malformed() -> None:
         + "</ListBucketResult>"
     )
     page = _page(encoded)
-    assert page == ListPage(["p/a b+c\x01ü"], [3], ["e1"], ["p/x y+/"], "tok en+1")
+    assert _fields(page) == (["p/a b+c\x01ü"], [3], ["e1"], ["p/x y+/"], "tok en+1")
     # A server that ignores encoding-type=url (no EncodingType, no namespace): keys verbatim.
     plain = "<ListBucketResult><IsTruncated>false</IsTruncated>" + entry.format("p/a+b%2B", 5)
     plain += "<NextContinuationToken>ignored</NextContinuationToken></ListBucketResult>"
-    assert _page(plain) == ListPage(["p/a+b%2B"], [5], ["e1"], [], None)
+    assert _fields(_page(plain)) == (["p/a+b%2B"], [5], ["e1"], [], None)
     for bad, why in (
         ("not xml", "invalid XML"),
         ("<Error><Code>x</Code></Error>", "root element"),
