@@ -82,20 +82,37 @@ def _extensions(text: str | None) -> tuple[str, ...] | None:
 
 
 def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str, Any]) -> Any:
-    """The listing of ``url``: ``--manifest``, else the remembered one, else a fresh listing."""
-    from .._listing import load_or_list
+    """The listing of ``url``: ``--manifest``, else the remembered one, else a fresh listing (with
+    ``--split-listing``, listed by every node together, each a part)."""
+    import functools
 
-    return load_or_list(
+    from .._config import FetchOptions
+    from .._listing import DistInfo, env_info, help_list, listing_params, load_or_list, shared_manifest
+
+    extensions = _extensions(args.extensions)
+    make = functools.partial(
+        load_or_list,
         url,
         storage_options=storage_options,
         refresh=args.refresh,
         manifest=args.manifest,
-        extensions=_extensions(args.extensions),
+        extensions=extensions,
         is_valid_file=None,
         allow_empty=args.allow_empty,
         concurrency=args.concurrency,
         progress=False if args.quiet else None,
     )
+    if not getattr(args, "split_listing", False):
+        return make()
+    env = env_info()
+    nnodes = args.nnodes if getattr(args, "nnodes", None) is not None else env.nnodes
+    node = args.node_rank if getattr(args, "node_rank", None) is not None else env.node_rank
+    if nnodes < 1 or not 0 <= node < nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} with --nnodes {nnodes}, got {node}")
+    help = functools.partial(help_list, url, storage_options=storage_options,
+                             fetch_options=FetchOptions(concurrency=args.concurrency))  # fmt: skip
+    key = repr(listing_params(extensions, None))
+    return shared_manifest(url, make, key=key, help=help, info=DistInfo(node, nnodes, 0, 1, node, False))
 
 
 def _from_memory(m: Any, args: argparse.Namespace, started: float) -> str | None:

@@ -135,15 +135,21 @@ _TABLES: _Codec[SampleTable] = _Codec(
 
 
 def shared_manifest(
-    root: str, make: Callable[..., Manifest], *, key: str = "", help: Callable[[Job], None] | None = None
+    root: str,
+    make: Callable[..., Manifest],
+    *,
+    key: str = "",
+    help: Callable[[Job], None] | None = None,
+    info: DistInfo | None = None,
 ) -> Manifest:
     """``make()`` on global rank 0; every other rank gets rank 0's manifest (see the module docstring).
 
     ``key`` names what is listed beyond the URL (listing parameters), for the shared file's name. With
     ``help``, a listing is split across the job (:mod:`blobdata._listing.split`): rank 0 calls
-    ``make(together=job)``, every other rank ``help(job)`` (its part, when rank 0 lists).
+    ``make(together=job)``, every other rank ``help(job)`` (its part, when rank 0 lists). ``info``: this
+    process's place (default :func:`dist_info`; the command line's ``--nnodes/--node-rank``).
     """
-    return _shared(root, make, key, _MANIFESTS, help)
+    return _shared(root, make, key, _MANIFESTS, help, info)
 
 
 def shared_table(root: str, make: Callable[[], SampleTable], *, key: str = "") -> SampleTable:
@@ -154,9 +160,14 @@ def shared_table(root: str, make: Callable[[], SampleTable], *, key: str = "") -
 
 
 def _shared(
-    root: str, make: Callable[..., T], key: str, codec: _Codec[T], help: Callable[[Job], None] | None = None
+    root: str,
+    make: Callable[..., T],
+    key: str,
+    codec: _Codec[T],
+    help: Callable[[Job], None] | None = None,
+    info: DistInfo | None = None,
 ) -> T:
-    info = dist_info()
+    info = info or dist_info()
     if info.world_size == 1:
         return make()
     if help is not None and not root.startswith(("file://", "memory://")):  # a local folder is each node's
@@ -166,6 +177,7 @@ def _shared(
         else:
             job = file_job(root, key, rank=info.rank, world=info.world_size, label=_job(info.nnodes),
                            per_node=per_node)  # fmt: skip
+            key += f"|{job.token}"  # this run's hand-off file: never an earlier run's
         if info.rank == 0:
             make = functools.partial(make, together=job)
         else:

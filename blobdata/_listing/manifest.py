@@ -96,6 +96,7 @@ class Manifest:
         "_ids",
         "_key_offsets",
         "_keys",
+        "_path",
         "_url_prefix",
         "classes",
         "listed_at",
@@ -134,6 +135,7 @@ class Manifest:
         self.skipped = list(skipped)
         self.params = dict(params or {})
         self._url_prefix = root + "/"
+        self._path: str | None = None  # the local file it is mapped from, if it is
         problem = self._check(whole=not _checked)
         if problem:
             raise ManifestError(f"inconsistent manifest for {root}: {problem}", url=root)
@@ -390,6 +392,8 @@ class Manifest:
         manifest = cls.from_bytes(data, source=source, verified=known)
         if not known:
             mark_verified(mark)
+        if mark is not None:  # mapped from a local file
+            manifest._path = source
         if expect_root is not None and manifest.root != expect_root:
             raise ManifestError(
                 f"manifest {source} lists {manifest.root}, not {expect_root}: pass the manifest made for "

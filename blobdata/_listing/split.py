@@ -78,6 +78,7 @@ class Job:
     keep: Any = None  # what must live as long as the job (a FileStore under its prefix)
     announced: bool = False  # rank 0 said whether the job lists together
     per_node: int = 1  # ranks on this node: they share its requests in flight (FetchOptions.concurrency)
+    token: str = ""  # this run's, where the store is a file that outlives it
 
     def wait(self, key: str, store: Any = None) -> bytes:
         """``key``'s value once some rank set it; the error of a rank that failed, or of the deadline."""
@@ -210,7 +211,7 @@ def file_job(what: str, key: str, *, rank: int, world: int, label: str = "", per
             time.sleep(_POLL_S)
     stem = directory / f"{name}.{token}"
     job = Job(rank, world, PrefixStore(f"{token}/", store), lambda p: _by_files(job, p, stem), timeout, what,
-              keep=store, per_node=per_node)  # fmt: skip
+              keep=store, per_node=per_node, token=token)  # fmt: skip
     return job
 
 

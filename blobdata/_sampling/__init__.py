@@ -35,6 +35,7 @@ from .shares import (
     node_share,
     rank_indices,
     rank_stream,
+    this_nodes_share,
 )
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ __all__ = [
     "run_identity",
     "sample_key",
     "sample_rng",
+    "this_nodes_share",
     "uniforms",
 ]
 

@@ -26,7 +26,7 @@ from typing import Any
 from .._config import FetchOptions
 from .._url import BlobURL
 from . import local
-from .base import Columns, Entry, Growing, Lister, Reader, ReadResult, StoreInfo, listed_size
+from .base import Columns, Entry, Growing, Lister, Reader, ReadResult, StoreInfo, gather, listed_size
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
 from .options import options_token, redact
 from .s3_ranges import Board, LocalBoard, Part, RangeInfo, consistent
@@ -45,6 +45,7 @@ __all__ = [
     "StoreInfo",
     "consistent",
     "credential_hint",
+    "gather",
     "get_fs",
     "identity_from_info",
     "listed_size",

@@ -9,7 +9,8 @@ Bucket ``bucket`` (default ``"synthetic"``) holds ``count`` keys ``<root>/cKKKK/
 (``classes`` class folders of equal share, ``i`` in order), each of size ``1000 + i % 5000`` and an
 ETag from ``i``. The keys increase with ``i``, so every position in the key space (``prefix``,
 ``start-after``, a continuation token) is found by bisection over ``i``. Every request waits
-``delay_s`` before its answer (the round trip of a far store), and ``requests`` counts them. It
+``delay_s`` before its answer (the round trip of a far store); ``requests`` counts them and ``asked``
+holds each one's ``(prefix, delimiter, continuation-token, start-after)``. It
 answers ListObjectsV2 (``prefix``, ``delimiter=/`` at the root, ``continuation-token``,
 ``start-after``, ``max-keys``, ``encoding-type=url``) and nothing else, and checks no signature.
 """
@@ -58,6 +59,7 @@ class SyntheticListServer(ThreadServer):
         self.classes = max(1, min(classes, count))
         self.keys = _Keys(self.root + "/", count, self.classes)
         self.requests = 0
+        self.asked: list[tuple[str | None, ...]] = []
         self._lock = threading.Lock()
 
     @property
@@ -87,13 +89,15 @@ class SyntheticListServer(ThreadServer):
             req = await read_request(reader)
             if req is None:
                 return
-            with self._lock:
-                self.requests += 1
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
             parts = urlsplit(req.target)
             bucket = unquote(parts.path.strip("/").split("/", 1)[0])
             query = dict(parse_qsl(parts.query, keep_blank_values=True))
+            with self._lock:
+                self.requests += 1
+                self.asked.append(tuple(query.get(k) for k in ("prefix", "delimiter", "continuation-token",
+                                                                "start-after")))  # fmt: skip
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
             if req.method != "GET" or bucket != self.bucket or query.get("list-type") != "2":
                 status, body = 404, b'<?xml version="1.0"?><Error><Code>NoSuchBucket</Code></Error>'
             else:

@@ -18,7 +18,7 @@ from blobdata._stores.s3_listing import _Order
 
 # Characters around '/' and '.' in byte order, upper case and non-ASCII letters whose lower case is ASCII
 # (the Kelvin sign) or longer (dotted capital I), NUL and \x01 (the grids' padding and marker).
-CHARS = st.sampled_from(list("ab/.-_ +~JPGjpgk0éÉ\u212a\u0130\x00\x01\t") + ["𝄞"])
+CHARS = st.sampled_from([*list("ab/.-_ +~JPGjpgk0éÉ\u212a\u0130\x00\x01\t"), "𝄞"])
 NAMES = st.text(CHARS, min_size=0, max_size=10)
 
 
@@ -27,7 +27,10 @@ def _columns(keys: list[str]) -> Columns:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(NAMES, max_size=40), st.sampled_from([IMG_EXTENSIONS, (".JPG",), ("",), (".g", "pg"), (".ÉÉ", ".k")]))
+@given(
+    st.lists(NAMES, max_size=40),
+    st.sampled_from([IMG_EXTENSIONS, (".JPG",), ("",), (".g", "pg"), (".ÉÉ", ".k")]),
+)
 def test_extensions_keep_what_imagefolder_keeps(keys: list[str], extensions: tuple[str, ...]) -> None:
     got = with_extensions(_columns(keys), extensions).tolist()
     assert got == [not k.endswith("/") and k.lower().endswith(extensions) for k in keys]
@@ -77,7 +80,7 @@ def test_a_local_tree_lists_in_os_walk_order(tmp_path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x")
     expect = []
-    for root, dirs, files in sorted(os.walk(tmp_path / "cls")):
+    for root, _dirs, files in sorted(os.walk(tmp_path / "cls")):
         expect += [os.path.relpath(os.path.join(root, f), tmp_path) for f in sorted(files)]
     keys = sorted(expect)  # as a store lists them: by key
     assert walk_sorted(_columns(keys), "cls/").key_list() == expect

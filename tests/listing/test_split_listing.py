@@ -33,15 +33,35 @@ def _free_port() -> int:
 def _torchrun(tmp_path: Path, server: SyntheticListServer, mode: str, *extra: str) -> list[dict[str, Any]]:
     out = tmp_path / mode
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BLOBDATA_CONCURRENCY": "8",
-           "BLOBDATA_SHARED_DIR": str(tmp_path / "shared"), "BLOBDATA_CACHE_HOME": str(tmp_path / "cache")}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(SCRIPT), mode, server.url,
-           server.endpoint_url, str(out), *extra]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "BLOBDATA_CONCURRENCY": "8",
+        "BLOBDATA_SHARED_DIR": str(tmp_path / "shared"),
+        "BLOBDATA_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(SCRIPT),
+        mode,
+        server.url,
+        server.endpoint_url,
+        str(out),
+        *extra,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, timeout=RUN_TIMEOUT)
     assert done.returncode == 0, (done.stdout + done.stderr).decode()[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) | {"manifest": np.load(out / f"manifest{r}.npz")}
-            for r in range(2)]  # fmt: skip
+    return [
+        json.loads((out / f"rank{r}.json").read_text()) | {"manifest": np.load(out / f"manifest{r}.npz")}
+        for r in range(2)
+    ]
 
 
 def _ranges_are_disjoint(ranks: list[dict[str, Any]]) -> None:
@@ -51,7 +71,7 @@ def _ranges_are_disjoint(ranks: list[dict[str, Any]]) -> None:
     for rank, got in enumerate(ranks):
         keys = 0
         for folder, ranges in got["parts"]:
-            for after, upto, _first, _stop, _sound, count in ranges:
+            for after, _upto, _first, _stop, _sound, count in ranges:
                 assert (folder, after) not in seen, f"range after {after!r} of folder {folder} listed twice"
                 seen[folder, after] = rank
                 keys += count

@@ -31,7 +31,9 @@ def main() -> None:
     asked: list[list[Any]] = []
     request = s3_listing.S3LeanLister._request
 
-    async def counted(self: Any, prefix: str, delimiter: Any, token: Any, start_after: Any, timeout: float) -> Any:
+    async def counted(
+        self: Any, prefix: str, delimiter: Any, token: Any, start_after: Any, timeout: float
+    ) -> Any:
         asked.append([prefix, delimiter, token, start_after if token is None else None])
         return await request(self, prefix, delimiter, token, start_after, timeout)
 
