@@ -90,18 +90,10 @@ def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str,
     from .._listing import DistInfo, env_info, help_list, listing_params, load_or_list, shared_manifest
 
     extensions = _extensions(args.extensions)
-    make = functools.partial(
-        load_or_list,
-        url,
-        storage_options=storage_options,
-        refresh=args.refresh,
-        manifest=args.manifest,
-        extensions=extensions,
-        is_valid_file=None,
-        allow_empty=args.allow_empty,
-        concurrency=args.concurrency,
-        progress=False if args.quiet else None,
-    )
+    make = functools.partial(load_or_list, url, storage_options=storage_options, refresh=args.refresh,
+                             manifest=args.manifest, extensions=extensions, is_valid_file=None,
+                             allow_empty=args.allow_empty, concurrency=args.concurrency,
+                             progress=False if args.quiet else None)  # fmt: skip
     if not getattr(args, "split_listing", False):
         return make()
     env = env_info()

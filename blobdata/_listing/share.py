@@ -79,6 +79,10 @@ class ShareManifest:
         self.targets = _Global(self, local.targets)
 
     def _row(self, i: Any) -> Any:
+        if isinstance(i, (int, np.integer)):  # one sample: the per-sample path
+            at = int(self.rows.searchsorted(i))
+            if at < len(self.rows) and int(self.rows[at]) == i:
+                return at
         idx = np.asarray(i, dtype=np.int64)
         j = np.searchsorted(self.rows, idx)
         n = len(self.rows)
