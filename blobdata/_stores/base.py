@@ -175,6 +175,13 @@ def gather(buf: U8, starts: I64, ends: I64) -> tuple[U8, I64]:
     total = int(offsets[-1])
     if total == 0:
         return np.zeros(0, dtype=np.uint8), offsets
+    width = int(lengths[0])
+    if len(starts) > 1 and (lengths == width).all() and (np.diff(starts) == starts[1] - starts[0]).all():
+        # Ranges of one length at one stride (a page of like entries): a strided view, copied.
+        step = int(starts[1] - starts[0])
+        if step >= 0 and int(starts[-1]) + width <= len(buf):
+            view = np.lib.stride_tricks.as_strided(buf[int(starts[0]) :], (len(starts), width), (step, 1))
+            return np.array(view, copy=True).reshape(-1), offsets
     pos = np.repeat(starts - offsets[:-1], lengths)
     pos += np.arange(total, dtype=np.int64)
     return buf[pos], offsets
@@ -302,6 +309,12 @@ class Columns:
         """The same objects with the first ``n`` bytes of every key left out (a common prefix)."""
         if n == 0:
             return self
+        count = len(self)
+        width = int(self.key_offsets[1]) if count else 0
+        if count and width >= n and bool((np.diff(self.key_offsets) == width).all()):  # keys of one length
+            keys = np.array(self.keys.reshape(count, width)[:, n:], copy=True).reshape(-1)
+            offsets = self.key_offsets - np.arange(count + 1) * n
+            return Columns(keys, offsets, self.sizes, self.ids, self.id_offsets)
         keys, key_offsets = gather(self.keys, self.key_offsets[:-1] + n, self.key_offsets[1:])
         return Columns(keys, key_offsets, self.sizes, self.ids, self.id_offsets)
 
@@ -328,6 +341,8 @@ class _Array:
         self.n = self.cap = 0
 
     def add(self, values: npt.NDArray[Any], shift: int = 0) -> None:
+        if not len(values):
+            return
         need = self.n + len(values)
         size = self.dtype.itemsize
         if need > self.cap:

@@ -206,3 +206,18 @@ def test_the_synthetic_servers_pages_take_the_fast_path(count: int) -> None:
     tree = parse_list_page_tree(body, URL)
     assert fast.objects == tree.objects and fast.next_token == tree.next_token
     assert len(fast.objects) == count
+
+
+def test_the_synthetic_servers_entries_in_numpy_are_its_formula() -> None:
+    """SyntheticListServer makes a plain root's entries with numpy: the keys, sizes and ETags its formula
+    gives (the per-entry path is the reference), in every class."""
+    from blobdata.testing import SyntheticListServer
+
+    server = SyntheticListServer(count=30_000, classes=7)
+    for start, end in ((0, 1000), (4_280, 4_300), (29_990, 30_000)):
+        page = parse_list_page_tree(
+            b"<ListBucketResult>" + server._entries(start, end) + b"</ListBucketResult>", URL
+        )
+        assert page.keys == [server.keys[i] for i in range(start, end)]
+        assert page.sizes == [server.size(i) for i in range(start, end)]
+        assert page.etags == [server.etag(i) for i in range(start, end)]
