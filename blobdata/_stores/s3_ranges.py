@@ -16,9 +16,10 @@ width meant to hold 0.9 page of keys (so that one request lists it and sees the 
 the first pages' width to begin with, doubled after a range that held less than half a page, cut by a
 fifth after one that held a page or more. A range that finds
 its first key far beyond its end (a gap in the key space) makes the next range reach past that key,
-so a gap costs one request, not one per split. Ranges in flight start at 2 per prefix and double as
-ranges come back, up to ``FetchOptions.concurrency`` (the extra ranges of every prefix of a listing
-share that many slots); a range that finds nothing after its start ends the listing.
+so a gap costs one request, not one per split. Ranges in flight start at 2 per prefix and double each
+time as many have come back (a round), up to ``FetchOptions.concurrency`` (the extra ranges of every
+prefix of a listing share that many slots): a prefix of a few dozen pages sends few ranges past its
+end. A range that finds nothing after its start ends the listing.
 
 Identical to page by page, or page by page: S3 orders keys by their UTF-8 bytes (code points, as
 Python compares strings) and ``start-after`` follows that order. The ranges are checked to have
@@ -407,7 +408,7 @@ async def list_part(
     if pages is not None:
         running.add(asyncio.ensure_future(_run(head, pages, cut)))  # the first page's listing goes on
     joined, ready = Growing(), 0  # my ranges done in order so far, in one set of arrays
-    in_flight, ended = _FIRST_RANGES, False
+    in_flight, ended, window = _FIRST_RANGES, False, 0
     try:
         while True:
             while not ended and len(running) < in_flight:
@@ -431,7 +432,9 @@ async def list_part(
                         width *= 2
                     elif r.count >= page_keys:
                         width = max(1, width * 4 // 5)
-                in_flight = min(limit, in_flight * 2)
+                window += 1
+                if window >= in_flight:  # a whole window came back: twice as many (slow start, per round)
+                    in_flight, window = min(limit, in_flight * 2), 0
             while ready < len(ranges) and ranges[ready].done:  # joined as soon as the ranges before are
                 joined.add(ranges[ready].found.done())
                 ready += 1
