@@ -81,8 +81,8 @@ def _ranges_are_disjoint(ranks: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("mode", ["group", "files"])
 def test_two_ranks_list_disjoint_parts_and_end_with_one_process_manifest(tmp_path: Path, mode: str) -> None:
-    # Each request waits 40 ms, as a far store does: no rank can list it all before the other starts.
-    with SyntheticListServer(count=30_000, classes=3, delay_s=0.04) as server:
+    # Each request waits 80 ms, as a far store does: no rank can list it all before the other starts.
+    with SyntheticListServer(count=60_000, classes=2, delay_s=0.08) as server:
         alone = list_folder(server.url, storage_options=server.storage_options, concurrency=8)
         before = server.requests
         ranks = _torchrun(tmp_path, server, mode)
