@@ -291,10 +291,10 @@ def _listing_parts(args: Any, parts: set[str], doc: dict[str, Any]) -> None:
           f"on {os.cpu_count()} CPUs", flush=True)  # fmt: skip
     keys = 20_000 if args.quick else args.cpu_keys
     if "cpu" in parts:
-        print(f"\n4. client CPU listing {keys:,} keys at once (server answers at once), against the regex floor")
+        print(f"\n4. client CPU listing {keys:,} keys at once (no delay), against the regex floor")
         rows = sl.cpu_part(keys, args.concurrency, args.before)
-        print(table(["code", "keys", "requests", "client CPU s", "ms / 1000 keys", "ms / request", "regex floor ms",
-                     "/ floor", "parser ms/page", "ElementTree ms/page"], rows))  # fmt: skip
+        print(table(["code", "keys", "requests", "client CPU s", "ms / 1000 keys", "ms / request",
+                     "regex floor ms", "/ floor", "parser ms/page", "ElementTree ms/page"], rows))
         doc["cpu"] = rows
     if "memory" in parts:
         print(f"\n5. peak RSS while listing {keys:,} keys (list, save, map), against the saved manifest")
@@ -303,7 +303,7 @@ def _listing_parts(args: Any, parts: set[str], doc: dict[str, Any]) -> None:
         doc["memory"] = rows
     if "torchrun" in parts:
         n = 20_000 if args.quick else args.torchrun_keys
-        print(f"\n6. 2 ranks under torchrun (gloo) listing {n:,} keys together, {args.delay_ms:g} ms a request")
+        print(f"\n6. 2 ranks under torchrun (gloo) listing {n:,} keys together, {args.delay_ms:g} ms each")
         rows = sl.torchrun_part(n, args.delay_ms / 1000, args.concurrency)
         print(table(["keys", "folders", "ms/request", "requests rank 0", "rank 1", "sum", "server answered",
                      "wall s", "one process s (requests)"], rows))  # fmt: skip
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share-nodes", type=int, default=128)
     p.add_argument("--e2e-keys", type=int, default=20_000_000)
     p.add_argument("--e2e-classes", type=int, default=1000)
-    p.add_argument("--before", help="a checkout of blobdata before issue 42, measured beside (parts cpu, memory)")
+    p.add_argument("--before", help="a checkout of blobdata before issue 42 (measured in parts cpu, memory)")
     args = p.parse_args(argv)
     if args.child:
         part, *rest = args.child

@@ -19,9 +19,8 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 HERE = os.path.abspath(__file__)
 REPO = Path(HERE).resolve().parent.parent  # not from common: a --before child imports another blobdata
@@ -66,7 +65,9 @@ def server(count: int, delay: float = 0.0, classes: int = 1) -> Iterator[Server]
 def _client(args: list[str], before: str | None = None, timeout: float = 3600) -> dict[str, Any]:
     """A measurement in a fresh process (``before``: with that checkout's blobdata)."""
     env = {**os.environ, "PYTHONPATH": before or str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, HERE, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    done = subprocess.run(
+        [sys.executable, HERE, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
     if done.returncode:
         return {"error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -92,8 +93,9 @@ def cpu_child(url: str, endpoint: str, concurrency: str) -> dict[str, Any]:
     measured before and after the listing in this process."""
     from blobdata._listing import list_folder
 
-    with urllib.request.urlopen(f"{endpoint}/synthetic?list-type=2&prefix=train/c0000/&max-keys=1000"
-                                "&encoding-type=url") as resp:  # fmt: skip
+    with urllib.request.urlopen(
+        f"{endpoint}/synthetic?list-type=2&prefix=train/c0000/&max-keys=1000&encoding-type=url"
+    ) as resp:
         body = resp.read()
     opts = {"endpoint_url": endpoint, "key": "synthetic", "secret": "synthetic-secret"}
     floor = _per_page(FLOOR.findall, body)
@@ -104,12 +106,12 @@ def cpu_child(url: str, endpoint: str, concurrency: str) -> dict[str, Any]:
     floor = (floor + _per_page(FLOOR.findall, body)) / 2
     out: dict[str, Any] = {"keys": len(m), "cpu_s": cpu, "wall_s": wall, "floor_ms": floor * 1000}
     try:
-        from blobdata._stores.s3xml import parse_list_page, parse_list_page_tree
+        from blobdata._stores.s3.xml import parse_list_page, parse_list_page_tree
 
         out["parse_ms"] = _per_page(lambda b: parse_list_page(b, "s3://synthetic/train/"), body) * 1000
         out["tree_ms"] = _per_page(lambda b: parse_list_page_tree(b, "s3://synthetic/train/"), body) * 1000
     except ImportError:  # the code before issue 42: ElementTree is its parser
-        from blobdata._stores.s3xml import parse_list_page
+        from blobdata._stores.s3.xml import parse_list_page
 
         out["parse_ms"] = _per_page(lambda b: parse_list_page(b, "s3://synthetic/train/"), body) * 1000
     return out
@@ -126,9 +128,20 @@ def cpu_part(count: int, concurrency: int, before: str | None) -> list[list[str]
             rows.append([label, f"{count:,}", "error", str(r["error"])] + [""] * 6)
             continue
         per_1000 = r["cpu_s"] * 1000 / (r["keys"] / 1000)
-        rows.append([label, f"{r['keys']:,}", str(srv.requests), f"{r['cpu_s']:.2f}", f"{per_1000:.2f}",
-                     f"{r['cpu_s'] * 1000 / max(srv.requests, 1):.2f}", f"{r['floor_ms']:.2f}",
-                     f"{per_1000 / r['floor_ms']:.1f}x", f"{r['parse_ms']:.2f}", fmt_ms(r.get("tree_ms"))])  # fmt: skip
+        rows.append(
+            [
+                label,
+                f"{r['keys']:,}",
+                str(srv.requests),
+                f"{r['cpu_s']:.2f}",
+                f"{per_1000:.2f}",
+                f"{r['cpu_s'] * 1000 / max(srv.requests, 1):.2f}",
+                f"{r['floor_ms']:.2f}",
+                f"{per_1000 / r['floor_ms']:.1f}x",
+                f"{r['parse_ms']:.2f}",
+                fmt_ms(r.get("tree_ms")),
+            ]
+        )
         print(" | ".join(rows[-1]), flush=True)
     return rows
 
@@ -166,8 +179,13 @@ def memory_child(url: str, endpoint: str, concurrency: str, home: str) -> dict[s
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = _status_kb("VmHWM")
     files = [os.path.join(d, f) for d, _, fs in os.walk(home) for f in fs if f.endswith(".manifest")]
-    return {"keys": len(m), "peak_mib": (peak - before) / 1024, "file_mib": os.path.getsize(files[0]) / 2**20,
-            "wall_s": wall, "cpu_s": cpu}  # fmt: skip
+    return {
+        "keys": len(m),
+        "peak_mib": (peak - before) / 1024,
+        "file_mib": os.path.getsize(files[0]) / 2**20,
+        "wall_s": wall,
+        "cpu_s": cpu,
+    }
 
 
 def memory_part(count: int, concurrency: int, before: str | None) -> list[list[str]]:
@@ -180,8 +198,17 @@ def memory_part(count: int, concurrency: int, before: str | None) -> list[list[s
         if "error" in r:
             rows.append([label, f"{count:,}", "error", str(r["error"]), "", "", ""])
             continue
-        rows.append([label, f"{r['keys']:,}", f"{r['file_mib']:.1f}", f"{r['peak_mib']:.0f}",
-                     f"{r['peak_mib'] / r['file_mib']:.2f}x", f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}"])  # fmt: skip
+        rows.append(
+            [
+                label,
+                f"{r['keys']:,}",
+                f"{r['file_mib']:.1f}",
+                f"{r['peak_mib']:.0f}",
+                f"{r['peak_mib'] / r['file_mib']:.2f}x",
+                f"{r['wall_s']:.1f}",
+                f"{r['cpu_s']:.1f}",
+            ]
+        )
         print(" | ".join(rows[-1]), flush=True)
     return rows
 
@@ -197,21 +224,50 @@ def torchrun_part(count: int, delay: float, concurrency: int) -> list[list[str]]
             r = _client(["cpu", srv.url, srv.endpoint, str(concurrency)])
         alone_wall, alone_requests = r.get("wall_s", float("nan")), srv.requests
         with server(count, delay, classes) as srv, tempfile.TemporaryDirectory() as tmp:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "BLOBDATA_SHARED_DIR": tmp,
-                   "BLOBDATA_CACHE_HOME": tmp, "BLOBDATA_CONCURRENCY": str(2 * concurrency)}  # fmt: skip
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-                   "--master-addr=127.0.0.1", f"--master-port={_port()}",
-                   str(REPO / "tests" / "support" / "split_rank.py"), "group", srv.url, srv.endpoint, tmp]  # fmt: skip
-            t0 = time.perf_counter()
+            env = {
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "OMP_NUM_THREADS": "1",
+                "BLOBDATA_SHARED_DIR": tmp,
+                "BLOBDATA_CACHE_HOME": tmp,
+                "BLOBDATA_CONCURRENCY": str(2 * concurrency),
+            }
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node=2",
+                "--nnodes=1",
+                "--master-addr=127.0.0.1",
+                f"--master-port={_port()}",
+                str(REPO / "tests" / "support" / "split_rank.py"),
+                "group",
+                srv.url,
+                srv.endpoint,
+                tmp,
+            ]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-            wall = time.perf_counter() - t0
-            ranks = [json.load(open(os.path.join(tmp, f"rank{i}.json"))) for i in range(2)] if not done.returncode else []
+            ranks = []
+            for i in range(2 if not done.returncode else 0):
+                with open(os.path.join(tmp, f"rank{i}.json")) as f:
+                    ranks.append(json.load(f))
         if not ranks:
             rows.append([f"{count:,}", str(classes), "error", done.stderr.strip()[-200:]] + [""] * 5)
             continue
         asked = [len(x["requests"]) for x in ranks]
-        rows.append([f"{count:,}", str(classes), f"{delay * 1000:.0f}", str(asked[0]), str(asked[1]), str(sum(asked)),
-                     str(srv.requests), f"{max(x['wall_s'] for x in ranks):.2f}", f"{alone_wall:.2f} ({alone_requests})"])  # fmt: skip
+        rows.append(
+            [
+                f"{count:,}",
+                str(classes),
+                f"{delay * 1000:.0f}",
+                str(asked[0]),
+                str(asked[1]),
+                str(sum(asked)),
+                str(srv.requests),
+                f"{max(x['wall_s'] for x in ranks):.2f}",
+                f"{alone_wall:.2f} ({alone_requests})",
+            ]
+        )
         print(" | ".join(rows[-1]), flush=True)
     return rows
 
@@ -250,8 +306,16 @@ def big_manifest(path: str, n: int, classes: int = 1000) -> int:
     for lo in range(0, n, 1 << 20):
         i = np.arange(lo, min(n, lo + (1 << 20)), dtype=np.int64)
         cls = i * classes // n
-        k = np.concatenate([np.full((len(i), 1), 99, np.uint8), digits(cls, 5), np.full((len(i), 1), 47, np.uint8),
-                            digits(i, 12), np.frombuffer(b".jpg", np.uint8)[None, :].repeat(len(i), 0)], axis=1)  # fmt: skip
+        k = np.concatenate(
+            [
+                np.full((len(i), 1), 99, np.uint8),
+                digits(cls, 5),
+                np.full((len(i), 1), 47, np.uint8),
+                digits(i, 12),
+                np.frombuffer(b".jpg", np.uint8)[None, :].repeat(len(i), 0),
+            ],
+            axis=1,
+        )
         h = (i * 0x2545F4914F6CDD1D) & 0x7FFFFFFFFFFFFFFF
         q = np.full((len(i), 1), 34, np.uint8)
         ids = np.concatenate([q, digits(h, 16, 16), digits(h ^ 0x5555, 16, 16), q], axis=1)
@@ -259,9 +323,14 @@ def big_manifest(path: str, n: int, classes: int = 1000) -> int:
         arrays["ids"][lo * id_len : (lo + len(i)) * id_len] = ids.ravel()
         arrays["sizes"][lo : lo + len(i)] = 100_000 + i % 20_000
         arrays["targets"][lo : lo + len(i)] = cls
-    m = Manifest.from_arrays("s3://bench/flat", [f"c{c:05d}" for c in range(classes)],
-                             key_offsets=np.arange(n + 1, dtype=np.int64) * key_len,
-                             id_offsets=np.arange(n + 1, dtype=np.int64) * id_len, listed_at=0.0, **arrays)  # fmt: skip
+    m = Manifest.from_arrays(
+        "s3://bench/flat",
+        [f"c{c:05d}" for c in range(classes)],
+        key_offsets=np.arange(n + 1, dtype=np.int64) * key_len,
+        id_offsets=np.arange(n + 1, dtype=np.int64) * id_len,
+        listed_at=0.0,
+        **arrays,
+    )
     m.save(path)
     del m, arrays
     for f in os.listdir(tmp):
@@ -301,8 +370,16 @@ def share_child(path: str, n: str, nnodes: str, node: str, how: str, home: str) 
     full = resident_pages(path)
     share_pages = resident_pages(share_files[0])[0] if how == "share" else 0
     fair = math.ceil(full[1] * len(rows) / int(n))
-    return {"rows": len(rows), "manifest_pages": full[1], "manifest_resident": full[0], "share_resident": share_pages,
-            "fair": fair, "cut_s": cut_s, "read_s": read_s, "touched": touched % 7}  # fmt: skip
+    return {
+        "rows": len(rows),
+        "manifest_pages": full[1],
+        "manifest_resident": full[0],
+        "share_resident": share_pages,
+        "fair": fair,
+        "cut_s": cut_s,
+        "read_s": read_s,
+        "touched": touched % 7,
+    }
 
 
 def share_part(n: int, nnodes: int, tmp: str | None) -> list[list[str]]:
@@ -311,7 +388,10 @@ def share_part(n: int, nnodes: int, tmp: str | None) -> list[list[str]]:
         path = os.path.join(d, "big.manifest")
         t0 = time.perf_counter()
         size = big_manifest(path, n)
-        print(f"made a {n:,}-entry manifest of {size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f}s", flush=True)
+        print(
+            f"made a {n:,}-entry manifest of {size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
         for how in ("share", "whole"):
             with tempfile.TemporaryDirectory(dir=d) as home:
                 r = _client(["share", path, str(n), str(nnodes), "5", how, home])
@@ -319,8 +399,20 @@ def share_part(n: int, nnodes: int, tmp: str | None) -> list[list[str]]:
                 rows.append([f"{n:,}", how, "error", str(r["error"])] + [""] * 5)
                 continue
             touched = r["manifest_resident"] + r["share_resident"]
-            rows.append([f"{n:,}", f"{nnodes}", how, f"{r['rows']:,}", str(r["fair"]), str(r["manifest_resident"]),
-                         str(r["share_resident"]), f"{touched / r['fair']:.2f}x", f"{r['cut_s']:.1f}", f"{r['read_s']:.1f}"])  # fmt: skip
+            rows.append(
+                [
+                    f"{n:,}",
+                    f"{nnodes}",
+                    how,
+                    f"{r['rows']:,}",
+                    str(r["fair"]),
+                    str(r["manifest_resident"]),
+                    str(r["share_resident"]),
+                    f"{touched / r['fair']:.2f}x",
+                    f"{r['cut_s']:.1f}",
+                    f"{r['read_s']:.1f}",
+                ]
+            )
             print(" | ".join(rows[-1]), flush=True)
     return rows
 
@@ -334,8 +426,16 @@ def e2e_part(count: int, classes: int, concurrency: int) -> list[list[str]]:
         r = _client(["memory", srv.url, srv.endpoint, str(concurrency), home])
     if "error" in r:
         return [[f"{count:,}", str(classes), "error", str(r["error"]), "", "", "", ""]]
-    row = [f"{r['keys']:,}", str(classes), str(srv.requests), f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}",
-           f"{r['cpu_s'] * 1e6 / r['keys']:.2f}", f"{r['file_mib']:.0f}", f"{r['peak_mib']:.0f} ({r['peak_mib'] / r['file_mib']:.2f}x)"]  # fmt: skip
+    row = [
+        f"{r['keys']:,}",
+        str(classes),
+        str(srv.requests),
+        f"{r['wall_s']:.1f}",
+        f"{r['cpu_s']:.1f}",
+        f"{r['cpu_s'] * 1e6 / r['keys']:.2f}",
+        f"{r['file_mib']:.0f}",
+        f"{r['peak_mib']:.0f} ({r['peak_mib'] / r['file_mib']:.2f}x)",
+    ]
     print(" | ".join(row), flush=True)
     return [row]
 

@@ -124,7 +124,7 @@ def test_graph_sees_imports() -> None:
     graph = _graph()
     assert "blobdata._errors" in graph["blobdata._fetch.engine"]
     assert "blobdata._fetch.engine" in graph["blobdata._fetch"]
-    assert "blobdata._stores.base" in graph["blobdata._stores.s3"]
+    assert "blobdata._stores.base" in graph["blobdata._stores.s3.reader"]
     assert "blobdata._process" in graph["blobdata._loop"]  # "from . import _process"
 
 

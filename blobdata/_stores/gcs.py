@@ -52,8 +52,8 @@ from .base import MAX_LISTED_SIZE, Columns, ReadResult, StoreInfo, join_bytes, l
 from .fsspec import get_fs
 from .http import ProcessBound, check_content_range, grown, lean_session, read_capped
 from .network import proxy_url, redact_url
-from .s3_listing import PagedLister
-from .s3xml import ListPage
+from .s3 import ListPage
+from .s3.listing import PagedLister
 
 __all__ = ["GCSLister", "GCSReader", "identity"]
 
@@ -380,8 +380,8 @@ STORE = StoreInfo(
 
 class GCSLister(PagedLister):
     """objects.list pages on blobdata's own session (:class:`GCSReader`), checked as S3's are
-    (:class:`~blobdata._stores.s3_listing.PagedLister`); a prefix of more than two pages is listed in
-    key ranges at once (:mod:`.s3_ranges`), each range from ``startOffset``.
+    (:class:`~blobdata._stores.s3.PagedLister`); a prefix of more than two pages is listed in
+    key ranges at once (:mod:`.s3.ranges`), each range from ``startOffset``.
 
     ``startOffset`` is inclusive: a range after key ``k`` starts at ``k + "\\x00"``, the first name
     after ``k``. ``endOffset`` is deliberately not sent: a range reads on to the first name past its end,
@@ -401,12 +401,12 @@ class GCSLister(PagedLister):
     async def _request(
         self, prefix: str, delimiter: str | None, token: str | None, start_after: str | None, timeout: float
     ) -> ListPage:
-        from . import s3_listing
+        from .s3 import listing
 
         start = start_after + "\x00" if start_after is not None and token is None else None
         page = await self.reader.list_page(self.url.bucket, prefix, delimiter=delimiter, token=token,
                                            start_offset=start, timeout=timeout,
-                                           max_keys=s3_listing._PAGE_KEYS)  # fmt: skip
+                                           max_keys=listing._PAGE_KEYS)  # fmt: skip
         objects = page.objects
         ends = objects.key_offsets[1:]
         placeholder = (ends > objects.key_offsets[:-1]) & (objects.keys[np.maximum(ends - 1, 0)] == 47) \

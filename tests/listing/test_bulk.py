@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from blobdata._listing import IMG_EXTENSIONS
 from blobdata._listing.bulk import key_sorted, starting_with, walk_sorted, with_extensions
 from blobdata._stores import Columns
-from blobdata._stores.s3_listing import _Order
+from blobdata._stores.s3.listing import _Order
 
 # Characters around '/' and '.' in byte order, upper case and non-ASCII letters whose lower case is ASCII
 # (the Kelvin sign) or longer (dotted capital I), NUL and \x01 (the grids' padding and marker).

@@ -1,4 +1,5 @@
-"""The lean S3 GET path (blobdata._stores.s3): SigV4 parity with botocore, keys, errors, identity pinning."""
+"""The lean S3 GET path (blobdata._stores.s3.reader): SigV4 parity with botocore, keys, errors, identity
+pinning."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from blobdata._config import FetchOptions
 from blobdata._errors import AccessDenied, BlobdataError, FetchError, NotFound, ObjectChanged, Throttled
 from blobdata._retry import with_retries
 from blobdata._stores.http import ProcessBound
-from blobdata._stores.s3 import S3ErrorResponse, S3Reader, split_identity
-from blobdata._stores.s3xml import ListPage, list_query, parse_list_page
-from blobdata._stores.sigv4 import EMPTY_SHA256, Credentials, SigV4Signer, quote_key
+from blobdata._stores.s3.reader import S3ErrorResponse, S3Reader, split_identity
+from blobdata._stores.s3.sigv4 import EMPTY_SHA256, Credentials, SigV4Signer, quote_key
+from blobdata._stores.s3.xml import ListPage, list_query, parse_list_page
 from tests.support import wait_child
 
 TRICKY_KEYS = [

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from blobdata._stores.s3xml import _fast_page, parse_list_page, parse_list_page_tree
+from blobdata._stores.s3.xml import _fast_page, parse_list_page, parse_list_page_tree
 
 URL = "s3://bucket/pre/"
 NS = ' xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'

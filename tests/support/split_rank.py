@@ -23,7 +23,7 @@ def main() -> None:
     import torch.distributed as dist
 
     from blobdata._listing import help_list, load_or_list, load_or_list_flat, shared_manifest, split
-    from blobdata._stores import s3_listing
+    from blobdata._stores.s3 import listing as s3_listing
 
     if mode == "group":
         dist.init_process_group("gloo")

@@ -12,7 +12,7 @@ in a row without an entry is an error, and the whole listing has a deadline
 (``FetchOptions.listing_timeout``). Keys and prefixes outside the requested prefix are dropped, and
 named in one warning when the listing ends.
 
-A prefix of more than one page is listed in key ranges at once (:mod:`.s3_ranges`): the same keys in
+A prefix of more than one page is listed in key ranges at once (:mod:`.ranges`): the same keys in
 the same order as page by page, each range's pages checked as above. :class:`PagedLister` holds these
 checks for any store whose pages carry a continuation token (GCS's lister is one too).
 """
@@ -27,15 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from .._config import FetchOptions
-from .._errors import BlobdataError, FetchError, FetchTimeout, TransientError
-from .._retry import final_error, with_retries
-from .._url import BlobURL
-from .base import Columns
-from .fsspec import bounded
-from .s3 import STORE, S3Reader
-from .s3_ranges import Board, Part, list_page_after, list_part, list_prefix
-from .s3xml import ListPage
+from ..._config import FetchOptions
+from ..._errors import BlobdataError, FetchError, FetchTimeout, TransientError
+from ..._retry import final_error, with_retries
+from ..._url import BlobURL
+from ..base import Columns
+from ..fsspec import bounded
+from .ranges import Board, Part, list_page_after, list_part, list_prefix
+from .reader import STORE, S3Reader
+from .xml import ListPage
 
 __all__ = ["PagedLister", "S3LeanLister", "S3fsLister", "identity", "lean_s3"]
 
@@ -215,7 +215,7 @@ class PagedLister:
         start_after: str | None = None,
     ) -> ListPage:
         """One page under the retry budget and the listing's deadline (``start_after``: the first page of
-        a range, :mod:`.s3_ranges`)."""
+        a range, :mod:`.ranges`)."""
         bucket, opts, root = self.url.bucket, self.options, str(self.url)
         loop = asyncio.get_running_loop()
         if self._deadline is None:

@@ -24,8 +24,8 @@ from urllib.parse import quote, unquote_plus
 
 import numpy as np
 
-from .._errors import FetchError
-from .base import MAX_LISTED_SIZE, Columns, gather, join_bytes, listed_size
+from ..._errors import FetchError
+from ..base import MAX_LISTED_SIZE, Columns, gather, join_bytes, listed_size
 
 __all__ = ["ListPage", "list_query", "parse_list_page", "parse_list_page_tree"]
 

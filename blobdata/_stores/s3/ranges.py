@@ -38,17 +38,19 @@ import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from urllib.parse import quote
 
-from .base import Columns, Growing
-from .h1 import Response
-from .s3 import LIST_BODY_CAP, S3Reader
-from .s3xml import ListPage, list_query, parse_list_page
+from ..base import Columns, Growing
+from .xml import ListPage, list_query, parse_list_page
+
+if TYPE_CHECKING:
+    from ..h1 import Response
+    from .reader import S3Reader
 
 
 class _Lister(Protocol):
-    """What this module uses of :class:`~blobdata._stores.s3_listing.S3LeanLister`."""
+    """What this module uses of :class:`~blobdata._stores.s3.S3LeanLister`."""
 
     url: Any
 
@@ -74,7 +76,8 @@ async def list_page_after(
 ) -> ListPage:
     """One ListObjectsV2 page of the keys of ``bucket`` under ``prefix`` after ``start_after``; no
     retries (:meth:`S3Reader.list_page` with ``start-after``, which sorts last in the signed query)."""
-    from .._errors import TransientError
+    from ..._errors import TransientError
+    from .reader import LIST_BODY_CAP
 
     url = f"s3://{bucket}/{prefix}"
     safe = start_after.encode("utf-8", "surrogatepass").decode("utf-8", "replace")

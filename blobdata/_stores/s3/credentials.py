@@ -44,7 +44,7 @@ class _Frozen(NamedTuple):
 
 
 def _path(profile: str | None) -> str | None:
-    from .._node import memory_dir
+    from ..._node import memory_dir
 
     top = memory_dir()  # memory only: credentials never reach a disk
     if top is None:

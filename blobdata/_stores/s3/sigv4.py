@@ -14,7 +14,7 @@ import time
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
-from .. import _process
+from ... import _process
 
 __all__ = [
     "EMPTY_SHA256",
@@ -173,16 +173,16 @@ def cached_chain(profile: str | None) -> Any:
 def resolve_chain(profile: str | None) -> Any:
     """botocore's chain for ``profile``, resolved at most once per process (requests that start
     together wait here, in threads, for the first resolution instead of each asking IMDS/SSO) and,
-    for refreshable credentials, once per node (:mod:`.node_credentials`)."""
+    for refreshable credentials, once per node (:mod:`.credentials`)."""
     import botocore.session
 
-    from .node_credentials import node_chain
+    from .credentials import node_chain
 
     cache_key = (_process.pid(), profile)
     with _chain_lock:
         if cache_key not in chains:
             session = botocore.session.Session(profile=profile) if profile else botocore.session.get_session()
-            # Once per node: the other processes read what the first resolved (node_credentials).
+            # Once per node: the other processes read what the first resolved (credentials.py).
             chains[cache_key] = node_chain(profile, session.get_credentials)
         return chains[cache_key]
 
@@ -192,7 +192,7 @@ def refresh_chain(profile: str | None, stale: Credentials) -> Any:
     resolution, and the node's shared copy when it still holds ``stale``, are forgotten first. Threads
     (or processes of the node) that saw the same refusal together resolve once: one that finds the
     chain already holding other credentials takes them. Blocking (run it in a thread)."""
-    from .node_credentials import forget
+    from .credentials import forget
 
     cache_key = (_process.pid(), profile)
     with _chain_lock:
