@@ -210,8 +210,15 @@ def file_job(what: str, key: str, *, rank: int, world: int, label: str = "", per
                                     "share BLOBDATA_SHARED_DIR", url=what)  # fmt: skip
             time.sleep(_POLL_S)
     stem = directory / f"{name}.{token}"
-    job = Job(rank, world, PrefixStore(f"{token}/", store), lambda p: _by_files(job, p, stem), timeout, what,
-              keep=store, per_node=per_node, token=token)  # fmt: skip
+
+    def deliver(payload: bytes) -> list[bytes] | None:
+        parts = _by_files(job, payload, stem)
+        if parts is not None:  # rank 0 has every part: this run's ready mark may go
+            ready.unlink(missing_ok=True)
+        return parts
+
+    job = Job(rank, world, PrefixStore(f"{token}/", store), deliver, timeout, what, keep=store,
+              per_node=per_node, token=token)  # fmt: skip
     return job
 
 
