@@ -23,25 +23,20 @@ module             its one job
 from __future__ import annotations
 
 from .build import METADATA_NAMES, build_table
-from .distributed import dist_info, env_info, shared_file, shared_manifest, shared_table
 from .filters import UNIDENTIFIED, filter_identity
 from .flat import FLAT_PARAMS, list_flat, load_or_list_flat
-from .folders import (
-    IMG_EXTENSIONS,
-    REMEMBERED_RECORD,
-    identity_from_info,
-    list_folder,
-    list_with,
-    listing_params,
-    load_or_list,
-    load_remembered,
-)
+from .folders import IMG_EXTENSIONS, identity_from_info, list_folder, list_with, listing_params, load_or_list
+from .job.distributed import DistInfo, dist_info, env_info, shared_file, shared_manifest, shared_table
+from .job.share import ShareManifest, cut_share, share_in_memory
+from .job.split import help_list
 from .manifest import Manifest, manifest_path
 from .metadata import find_metadata
+from .remembered import REMEMBERED_RECORD, load_remembered
 from .samples import Member, SampleTable, split_key
 from .tablefile import is_table, load_table, save_table, table_from_bytes, table_to_bytes
 
 __all__ = [
+    "DistInfo",
     "FLAT_PARAMS",
     "IMG_EXTENSIONS",
     "METADATA_NAMES",
@@ -60,9 +55,13 @@ __all__ = [
     "table_to_bytes",
     "UNIDENTIFIED",
     "Manifest",
+    "ShareManifest",
+    "cut_share",
+    "share_in_memory",
     "dist_info",
     "env_info",
     "filter_identity",
+    "help_list",
     "identity_from_info",
     "list_folder",
     "list_with",
