@@ -1,4 +1,4 @@
-"""A node's share of a manifest, kept alone (blobdata._listing.share): the share's entries are the
+"""A node's share of a manifest, kept alone (blobdata._listing.job.share): the share's entries are the
 manifest's, nothing else is answered, and a node that maps its share of a big manifest has about its
 share of the manifest's pages in the page cache (mincore), where mapping the manifest would bring in
 most of it."""

@@ -1,4 +1,4 @@
-"""A listing split across the job (blobdata._listing.split): 2 ranks under torchrun (gloo, CPU) list
+"""A listing split across the job (blobdata._listing.job.split): 2 ranks under torchrun (gloo, CPU) list
 disjoint parts of one synthetic bucket, each page is asked once in the whole job, and both ranks end
 with the very manifest one process lists alone; through the process group and through the shared
 directory, for class folders and for a flat folder."""

@@ -331,7 +331,7 @@ class PagedLister:
 
     async def below_part(self, folder: str, board: Board, *, lead: bool, nonce: str) -> Part:
         """This process's part of :meth:`below`, listed with the others on ``board`` (a split listing:
-        :mod:`blobdata._listing.split`)."""
+        :mod:`blobdata._listing.job.split`)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.options.concurrency)
         cut = len(self.base.encode("utf-8", "surrogatepass"))
