@@ -37,7 +37,7 @@ from .._stores import network_mount, redact
 from .._url import parse_url, printable
 from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
-from .peering import join_peers
+from .peering import join_peers, read_from_home
 from .reads import PENDING, Objects, ProcessState, read_batch
 from .settings import LEGACY_KEYWORDS, legacy_keywords, resolve_cache
 
@@ -191,17 +191,27 @@ class BlobDatasetBase:
     def _cached(self, indices: list[int]) -> list[bool]:
         """Whether each sample's objects are all in the node cache: one index lookup for them all, on
         the loop, for the look-ahead (what it finds is not fetched, but read by the thread serving its
-        batch, which uses the bytes: allocated and freed in one thread, with one lookup per batch)."""
-        cache = self._process().cache
+        batch, which uses the bytes: allocated and freed in one thread, with one lookup per batch).
+        Samples this process read from an ``"admit"`` cache are known held (:class:`Held`): not looked
+        up again."""
+        proc = self._process()
+        cache = proc.cache
         if cache is None:
             return [False] * len(indices)
-        obj = self._objects(indices)
+        held = proc.held
+        ask = held.unknown(indices) if held is not None else indices
+        if not ask:
+            return [True] * len(indices)
+        obj = self._objects(ask)
         t = time.perf_counter()
         found = cache.has_many(list(zip(obj.urls, obj.ids, strict=True)))
         _stats.rec()[_stats.CACHE_S] += time.perf_counter() - t
-        if obj.offsets is None:
+        if obj.offsets is not None:
+            found = [all(found[a:b]) for a, b in itertools.pairwise(obj.offsets)]
+        if ask is indices:
             return found
-        return [all(found[a:b]) for a, b in itertools.pairwise(obj.offsets)]
+        answer = dict(zip(ask, found, strict=True))
+        return [answer.get(i, True) for i in indices]
 
     @property
     def cache_dir(self) -> str | None:
@@ -292,16 +302,8 @@ class BlobDatasetBase:
                 v[_stats.N_FROM_CACHE if _stats.next_epoch() else _stats.FROM_CACHE] += 1
                 v[_stats.BYTES_CACHE] += len(data)
                 return data, identity
-        peers = proc.peers
-        if peers is not None and identity and size is not None:
-            # From the cache of its home node (this one's through its service, which reads it once).
-            bucket = functools.partial(proc.engine.fetch, url, size=size, identity=identity)
-            data, from_peer = await peers.read(peers.home_of(url), url, size, identity, bucket)
-            if from_peer:
-                v[_stats.N_FROM_PEER if _stats.next_epoch() else _stats.FROM_PEER] += 1
-            else:
-                v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
-            return data, identity
+        if proc.peers is not None and identity and size is not None:  # from its home node's cache
+            return await read_from_home(proc, proc.peers, url, size, identity), identity
         data, got = await proc.engine.fetch(url, size=size, identity=None if unknown else identity)
         v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
         key = got if unknown else identity

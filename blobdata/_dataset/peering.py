@@ -1,17 +1,21 @@
-"""A dataset among the job's peers (:mod:`blobdata._peers`): joining them when it is made, and the reads
-its node's service makes for them. The asking side is in the read path (``_fetch_object`` in base).
+"""A dataset among the job's peers (:mod:`blobdata._peers`): joining them when it is made, a miss of
+this node's cache read from its home node (``_fetch_object`` asks), and the reads its node's service
+makes for the others.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from .._cache import BlobCache
 from .._errors import ConfigError
-from .._peers import Peers, PeerTable, join, peers_setting, serve
+from .._metrics import stats as _stats
+from .._peers import PeerClient, Peers, PeerTable, join, peers_setting, serve
 from .._url import printable
+from .reads import ProcessState
 
-__all__ = ["join_peers", "serve_peer"]
+__all__ = ["join_peers", "read_from_home", "serve_peer"]
 
 
 def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> PeerTable | None:
@@ -29,6 +33,20 @@ def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> 
     if table is not None:
         serve(table, ds._url, cache, ds, serve_peer)
     return table
+
+
+async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: int, identity: str) -> bytes:
+    """A miss of this node's cache, read from the cache of its home node (this node's own through its
+    service, which reads each object from the bucket once per job); from the bucket where the home does
+    not answer in time or answers wrong. Not kept in this node's cache: its home keeps it."""
+    bucket = functools.partial(proc.engine.fetch, url, size=size, identity=identity)
+    data, from_peer = await peers.read(peers.home_of(url), url, size, identity, bucket)
+    v = _stats.rec()
+    if from_peer:
+        v[_stats.N_FROM_PEER if _stats.next_epoch() else _stats.FROM_PEER] += 1
+    else:
+        v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
+    return data
 
 
 async def serve_peer(ds: Any, url: str, size: int | None, identity: str) -> bytes:

@@ -36,6 +36,7 @@ from .shares import (
     node_share,
     rank_indices,
     rank_stream,
+    this_nodes_share,
 )
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ __all__ = [
     "run_identity",
     "sample_key",
     "sample_rng",
+    "this_nodes_share",
     "uniforms",
 ]
 

@@ -169,9 +169,7 @@ def main(argv: list[str] | None = None, *, out: TextIO | None = None) -> int:
         lines += [
             "",
             f"then upload a folder: blobdata serve --data ./train serves one of yours (or aws s3 sync "
-            f"./train {url} with the exports above), and:"
-            if empty
-            else "then:",
+            f"./train {url} with the exports above), and:" if empty else "then:",
             "",
         ]
         if args.demo or empty:
