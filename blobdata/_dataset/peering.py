@@ -6,6 +6,7 @@ makes for the others.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 from .._cache import BlobCache
@@ -17,10 +18,13 @@ from .reads import ProcessState
 
 __all__ = ["join_peers", "read_from_home", "serve_peer"]
 
+_log = logging.getLogger("blobdata")
+
 
 def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> PeerTable | None:
-    """``ds``'s place among the job's peers (None: peers off, or a job of one node), its objects served
-    to them if this process runs its node's service. A collective call, as the listing is."""
+    """``ds``'s place among the job's peers (None: peers off, a job of one node, or a local folder, whose
+    files each node reads itself), its objects served to them if this process runs its node's service.
+    A collective call, as the listing is."""
     setting = peers_setting(peers)
     if setting is None:
         return None
@@ -29,6 +33,9 @@ def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> 
             f"peers need a cache for {printable(ds._url)}: a node serves the others from it; pass "
             "cache=DIR (each node's own, sized to its share of the dataset and some slack)"
         )
+    if ds._local_root is not None:  # its files are read directly, in the thread serving the batch
+        _log.info("blobdata: peers are off for %s: a local folder is read directly", printable(ds._url))
+        return None
     table = join(setting)
     if table is not None:
         serve(table, ds._url, cache, ds, serve_peer)

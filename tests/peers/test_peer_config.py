@@ -4,6 +4,7 @@ argument or one variable, a meeting that names the node that never came, entries
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from pathlib import Path
@@ -72,6 +73,19 @@ def test_peers_without_a_cache_are_refused_naming_the_folder(tmp_path: Path) -> 
 def test_a_job_of_one_node_meets_nobody(tmp_path: Path) -> None:
     ds = FolderDataset(_folder(tmp_path), cache=str(tmp_path / "c"), peers=Peers(nnodes=1))
     assert ds._peers is None and len(ds) == 1
+
+
+def test_a_local_folder_meets_nobody(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its files are read directly in the thread serving the batch, so no node would ask: the dataset
+    does not meet the others (meeting them needs a store, which this test has not: an error)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger="blobdata"):
+        ds = FolderDataset(_folder(tmp_path), cache=str(tmp_path / "c"), peers=Peers(nnodes=2, node_rank=0))
+    assert ds._peers is None and len(ds) == 1
+    assert "peers are off for" in caplog.text and "a local folder is read directly" in caplog.text
 
 
 def test_without_a_store_the_error_says_where_one_comes_from(monkeypatch: pytest.MonkeyPatch) -> None:
