@@ -22,7 +22,7 @@ Prints a table per job, then the ratios (from epoch 2 on) and the machine's load
 
     python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--json out.json]
 
-A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it small).
+A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it small and checks it).
 """
 
 from __future__ import annotations
