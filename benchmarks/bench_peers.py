@@ -15,7 +15,8 @@ that counts its GETs. Three jobs, each with fresh caches:
 - ``partitioned``: ``PartitionedSampler`` (each node reads its own share every epoch), no peers.
 
 Every node waits for the others at the start of each epoch (a barrier in the store, through which this
-script reads the proxy's count of GETs between epochs); an epoch's time is its slowest node's. Each
+script reads the proxy's count of GETs between epochs); an epoch's time is its slowest node's, its CPU
+the nodes' processes' (their workers' included; not this script's proxies and S3 server). Each
 sample is decoded and cropped (the default loader, ``blobdata.testing.TrainTransform(64)``) unless
 ``--no-decode``.
 Prints a table per job, then the ratios (from epoch 2 on) and the machine's load average.
@@ -30,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +55,12 @@ def _as_list(batch: list[Any]) -> list[Any]:
 
 def _raw(fh: Any) -> bytes:
     return bytes(fh.read())
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (the DataLoader's workers of past epochs)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _wait(store: Any, key: str, timeout: float = 600.0) -> None:
@@ -96,12 +105,13 @@ def node_main(spec_path: str) -> int:
         store.add(f"{spec['run']}/arrive/{epoch}", 1)
         _wait(store, f"{spec['run']}/go/{epoch}")
         sampler.set_epoch(epoch)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _cpu_s()
         samples = sum(len(b) for b in loader)
         seconds = time.perf_counter() - t0
+        cpu = _cpu_s() - cpu0  # the workers (not persistent) are reaped at the epoch's end
         now = loader.stats()
         out.append({
-            "seconds": seconds, "samples": samples,
+            "seconds": seconds, "samples": samples, "cpu_s": cpu,
             "from_peers": now.samples_from_peers - before.samples_from_peers,
             "from_cache": now.samples_from_cache - before.samples_from_cache,
             "from_bucket": now.samples_from_bucket - before.samples_from_bucket,
@@ -183,6 +193,7 @@ def _run_job(
     for e in range(args.epochs):
         rows = [nd["epochs"][e] for nd in nodes]
         summed = (
+            "cpu_s",
             "from_peers",
             "from_cache",
             "from_bucket",
@@ -197,6 +208,37 @@ def _run_job(
             "peer_p50_s": max(r["peer_p50_s"] for r in rows),
         })  # fmt: skip
     return {"job": job, "epochs": epochs, "summary": nodes[0]["summary"]}
+
+
+def _run_jobs(args: Any, work: Path, bodies: list[bytes]) -> list[dict[str, Any]]:
+    """Each job of ``--jobs`` in turn, against one bucket (a local S3 server behind a latency proxy)."""
+    import torch.distributed as dist
+
+    from blobdata.testing import LatencyProxy, LocalS3Server, s3_client
+
+    results = []
+    with LocalS3Server() as server:
+        client = s3_client(server)
+        client.create_bucket(Bucket="bench")
+
+        def put(i: int) -> None:
+            client.put_object(Bucket="bench", Key=f"train/c{i % 10:02d}/{i:06d}.jpg", Body=bodies[i])
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(put, range(args.objects)))
+        host, port = server.endpoint_url.split("://", 1)[1].rsplit(":", 1)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        with LatencyProxy(host, int(port.rstrip("/")), delay_s=args.bucket_rtt_ms / 2000.0) as proxy:
+            opts = server.storage_options
+            env = {
+                **os.environ, "PYTHONPATH": str(REPO), "AWS_ENDPOINT_URL_S3": proxy.endpoint_url,
+                "AWS_ACCESS_KEY_ID": opts["key"], "AWS_SECRET_ACCESS_KEY": opts["secret"],
+                "AWS_REGION": opts["client_kwargs"]["region_name"], "BLOBDATA_CACHE_HOME": str(work / "home"),
+                "OMP_NUM_THREADS": "1",
+            }  # fmt: skip
+            for job in args.jobs.split(","):
+                results.append(_run_job(job, args, work, "s3://bench/train", env, store, proxy))
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,38 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     import numpy as np
-    import torch.distributed as dist
 
-    from blobdata.testing import LatencyProxy, LocalS3Server, s3_client, synthetic_jpeg
+    from blobdata.testing import synthetic_jpeg
 
     load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
     rng = np.random.default_rng(0)
     bodies = [synthetic_jpeg(rng, min_side=160, max_side=320) for _ in range(args.objects)]
     args.total_bytes = sum(len(b) for b in bodies)
-    results = []
     t0 = time.monotonic()
-    with LocalS3Server() as server:
-        client = s3_client(server)
-        client.create_bucket(Bucket="bench")
+    try:
+        results = _run_jobs(args, work, bodies)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the nodes' caches, logs and specs
 
-        def put(i: int) -> None:
-            client.put_object(Bucket="bench", Key=f"train/c{i % 10:02d}/{i:06d}.jpg", Body=bodies[i])
-
-        with ThreadPoolExecutor(16) as pool:
-            list(pool.map(put, range(args.objects)))
-        host, port = server.endpoint_url.split("://", 1)[1].rsplit(":", 1)
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        with LatencyProxy(host, int(port.rstrip("/")), delay_s=args.bucket_rtt_ms / 2000.0) as proxy:
-            opts = server.storage_options
-            env = {
-                **os.environ, "PYTHONPATH": str(REPO), "AWS_ENDPOINT_URL_S3": proxy.endpoint_url,
-                "AWS_ACCESS_KEY_ID": opts["key"], "AWS_SECRET_ACCESS_KEY": opts["secret"],
-                "AWS_REGION": opts["client_kwargs"]["region_name"], "BLOBDATA_CACHE_HOME": str(work / "home"),
-                "OMP_NUM_THREADS": "1",
-            }  # fmt: skip
-            for job in args.jobs.split(","):
-                results.append(_run_job(job, args, work, "s3://bench/train", env, store, proxy))
     load1 = os.getloadavg()
     n = args.objects
     print(
@@ -262,16 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{'bytes only' if args.no_decode else 'decode + resize'}; {time.monotonic() - t0:.0f} s; "
         f"load average {load0[0]:.1f} before, {load1[0]:.1f} after"
     )
-    head = ["job", "epoch", "bucket GETs", "GETs / samples", "epoch s", "from peers", "from cache",
-            "peer MB", "peer p50 ms", "peer p99 ms", "fell back", "hedged"]  # fmt: skip
+    head = ["job", "epoch", "bucket GETs", "GETs / samples", "epoch s", "nodes' CPU s", "from peers",
+            "from cache", "peer MB", "peer p50 ms", "peer p99 ms", "fell back", "hedged"]  # fmt: skip
     rows = []
     for r in results:
         for e, ep in enumerate(r["epochs"], 1):
             rows.append([
                 r["job"], str(e), str(ep["gets"]), f"{ep['gets'] / n:.1%}", f"{ep['seconds']:.2f}",
-                str(ep["from_peers"]), str(ep["from_cache"]), f"{ep['bytes_from_peers'] / 1e6:.1f}",
-                f"{ep['peer_p50_s'] * 1e3:.1f}", f"{ep['peer_p99_s'] * 1e3:.1f}", str(ep["peer_fallbacks"]),
-                str(ep["peer_hedged"]),
+                f"{ep['cpu_s']:.1f}", str(ep["from_peers"]), str(ep["from_cache"]),
+                f"{ep['bytes_from_peers'] / 1e6:.1f}", f"{ep['peer_p50_s'] * 1e3:.1f}",
+                f"{ep['peer_p99_s'] * 1e3:.1f}", str(ep["peer_fallbacks"]), str(ep["peer_hedged"]),
             ])  # fmt: skip
     print(table(head, rows))
     by = {r["job"]: r for r in results}
@@ -289,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         for other in ("global", "partitioned"):
             if other in by:
                 ratio = later("peers", "seconds") / later(other, "seconds")
-                print(f"epoch time from epoch 2 on, peers / {other}: {ratio:.2f}")
+                cpu = later("peers", "cpu_s") / later(other, "cpu_s")
+                print(f"from epoch 2 on, peers / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f}")
     for r in results:
         print(f"{r['job']} (node 0): {r['summary']}")
     if args.json is not None:
