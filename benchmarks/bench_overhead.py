@@ -8,6 +8,7 @@ server excluded) and the ratio to the plain Dataset, for
 
 - ``plain``     a 12-line torch ``Dataset`` that opens and reads each local file
 - ``local``     ``FolderDataset(local folder).dataloader(...)``
+- ``local-la``  the same with ``lookahead=16`` (a local disk has none unless asked: this says why)
 - ``hit``       ``FolderDataset("s3://...", cache=...)``, every sample a cache hit
 - ``get``       ``FolderDataset("s3://...")``, no cache, a local S3 server (round trip ~0)
 
@@ -33,7 +34,7 @@ from typing import Any
 
 import common  # noqa: F401  (puts the repository on sys.path)
 
-PATHS = ("plain", "local", "hit", "get")
+PATHS = ("plain", "local", "local-la", "hit", "get")
 
 
 def make_files(root: Path, n: int, size: int, classes: int, seed: int = 0) -> list[tuple[str, bytes]]:
@@ -188,6 +189,9 @@ def main() -> None:
                 def local(kw: dict[str, Any] = kw, lf: Any = loader_fn, tf: Any = transform) -> Any:
                     return FolderDataset(root, loader=lf, transform=tf).dataloader(**kw)
 
+                def local_la(kw: dict[str, Any] = kw, lf: Any = loader_fn, tf: Any = transform) -> Any:
+                    return FolderDataset(root, loader=lf, transform=tf, lookahead=16).dataloader(**kw)
+
                 cache_dir = work / f"cache-{decode}-{workers}"
 
                 def hit(
@@ -207,7 +211,7 @@ def main() -> None:
                                        storage_options=server.storage_options)  # fmt: skip
                     return ds.dataloader(**kw)
 
-                makers = {"plain": plain, "local": local, "hit": hit, "get": get}
+                makers = {"plain": plain, "local": local, "local-la": local_la, "hit": hit, "get": get}
                 runners = [Runner(p, makers[p], workers) for p in args.paths]
                 for r in runners:  # warm-up: workers started, connections open, page cache warm
                     r.round()

@@ -28,7 +28,7 @@ done
 if ((quick)); then
     printf 'scripts/test.sh --quick: ruff, mypy and the tests that start no server; usually 3-7 minutes\n'
 else
-    printf 'scripts/test.sh: ruff, mypy, the docs build and every test; usually 20-35 minutes on 2 cores\n'
+    printf 'scripts/test.sh: ruff, mypy, the docs build and every test; usually 11-21 minutes on 2 cores\n'
 fi
 if [[ ! -x "$(dirname "$0")/../.venv/bin/python" ]]; then
     printf '(first run: setting up .venv takes 3-6 minutes more: torch, then the test servers)\n'
@@ -75,7 +75,7 @@ if ((quick)); then
     run_step "pytest (quick)" "3-7 min" python -m pytest -q "${xdist[@]}" "${pytest_args[@]}"
 else
     run_step "mkdocs build --strict" "0.5-1 min" docs
-    run_step "pytest" "20-30 min on 2 cores" python -m pytest -q "${xdist[@]}" "${pytest_args[@]}"
+    run_step "pytest" "10-20 min on 2 cores" python -m pytest -q "${xdist[@]}" "${pytest_args[@]}"
 fi
 
 printf '\n== times\n'

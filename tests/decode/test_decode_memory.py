@@ -24,6 +24,7 @@ from PIL import Image
 import blobdata
 from blobdata import FolderDataset
 from blobdata._decode import decode, sweep_dead_copies
+from blobdata._node import shm_root
 from blobdata.testing import synthetic_jpeg
 
 _ROOTS = tuple({os.path.realpath(p) for p in ("/dev/shm", tempfile.gettempdir()) if os.path.isdir(p)})
@@ -65,13 +66,14 @@ def _written() -> Iterator[list[str]]:
 
 
 def _copies() -> set[str]:
-    """Every file in a copy directory of this user's (``<root>/blobdata-<uid>/copies-<pid>-*/``)."""
+    """Every file in a copy directory of this user's (``<root>/blobdata-<uid>/copies-<pid>-*/``) in the
+    node state this process uses (the suite's own, ``BLOBDATA_NODE_DIR``): not the machine's, where
+    other runs on the node make and remove copies of their own meanwhile."""
     out = set()
-    for root in _ROOTS:
-        mine = os.path.join(root, f"blobdata-{os.geteuid()}")
-        for d in os.listdir(mine) if os.path.isdir(mine) else ():
-            if d.startswith("copies-"):
-                out |= {os.path.join(mine, d, n) for n in os.listdir(os.path.join(mine, d))}
+    mine = os.path.join(shm_root(), f"blobdata-{os.geteuid()}")
+    for d in os.listdir(mine) if os.path.isdir(mine) else ():
+        if d.startswith("copies-"):
+            out |= {os.path.join(mine, d, n) for n in os.listdir(os.path.join(mine, d))}
     return out
 
 

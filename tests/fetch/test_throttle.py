@@ -214,22 +214,31 @@ def _owners_of(store: str) -> set[int]:
         }
 
 
-def _app(url: str, opts: dict[str, Any], mode: str) -> subprocess.Popen[str]:
+def _app(url: str, opts: dict[str, Any], mode: str, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.support.throttle_app", url, json.dumps(opts), mode],
+        [sys.executable, "-m", "tests.support.throttle_app", url, json.dumps(opts), mode, *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
 @pytest.mark.slow
-def test_two_loaders_on_one_node_share_one_limit(store: buckets.TestBucket) -> None:
+def test_two_loaders_on_one_node_share_one_limit(store: buckets.TestBucket, tmp_path: Path) -> None:
     rate = 300.0
     with buckets.through_proxy(store) as (proxy, opts):
         FolderDataset(store.url("train"), extensions=(".bin",), storage_options=opts)  # list before
         proxy.set_throttle(rate)
         proxy.reset_counts()
         key = store_key("s3", endpoint_of("s3", opts), store.name, "train")
-        apps = [_app(store.url("train"), opts, "epoch") for _ in range(2)]
+        go = tmp_path / "go"
+        apps = [_app(store.url("train"), opts, "epoch", str(go)) for _ in range(2)]
+        # Both started (torch imported, listing loaded) before either reads: under load, one could
+        # otherwise be done before the other began.
+        for app in apps:
+            assert app.stdout is not None and app.stderr is not None
+            line = app.stdout.readline()
+            assert line, app.stderr.read()[-3000:]
+            assert json.loads(line)["ready"] == app.pid
+        go.touch()
         together: set[int] = set()
         while any(a.poll() is None for a in apps):
             owners = _owners_of(key)

@@ -5,6 +5,7 @@ and no "0 ms" or "0.0 MB/s" where nothing was measured."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from blobdata import BlobCache, BlobDataset, FolderDataset, LoaderStats
+from tests.support.announce import wait_announced
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -54,9 +56,23 @@ def test_the_next_epochs_early_reads_are_counted_apart(s3_bucket: Any, s3_proxy:
     )  # fmt: skip
     loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
     s3_proxy.reset_counts()
-    assert sum(len(b) for b, _ in loader) == 60
-    first = loader.stats()
-    gets = len([m for m, _ in s3_proxy.requests if m == "GET"])
+    served = 0
+    for k, (b, _) in enumerate(loader):
+        if k == 0:  # the next epoch known before the workers' look-ahead reaches this one's end
+            wait_announced(loader)
+        served += len(b)
+    assert served == 60
+    # The workers go on reading the next epoch's first batches after this one ends: the wire and the
+    # stats are compared once those reads are done (nothing in flight, every count still for 0.5 s).
+    deadline, still, last = time.monotonic() + 60, 0, None
+    while still < 10 and time.monotonic() < deadline:
+        first = loader.stats()
+        gets = len([m for m, _ in s3_proxy.requests if m == "GET"])
+        now = (gets, first.gets, first.read_for_next_epoch, first.samples_from_bucket, first.concurrency)
+        still = still + 1 if now == last and first.concurrency == 0 else 0
+        last = now
+        time.sleep(0.05)
+    assert still == 10, f"the next epoch's reads never settled: {last}"
     assert first.samples == 60 and first.samples_from_cache == 0 and first.hit_rate == 0.0
     assert first.samples_from_bucket == 60, first  # this epoch's objects, each read once
     assert first.read_for_next_epoch > 0 and gets == first.gets == 60 + first.read_for_next_epoch

@@ -2,6 +2,8 @@
 
     python -m tests.support.throttle_app URL OPTIONS_JSON epoch   # one epoch (num_workers=0); prints
                                                                   # {"pid", "digest", "samples", "seconds"}
+    python -m tests.support.throttle_app URL OPTIONS_JSON epoch GO  # the same, once the file GO exists:
+                                                                  # prints {"ready": pid} and waits for it
     python -m tests.support.throttle_app URL OPTIONS_JSON hold    # one batch, prints {"pid", "channel"},
                                                                   # then waits to be killed
 
@@ -38,6 +40,14 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"pid": os.getpid(), "channel": loader.channel.path}), flush=True)
         while True:
             time.sleep(1)
+    if len(argv) > 3:  # several apps begin their epochs together (the test says go once all are ready)
+        print(json.dumps({"ready": os.getpid()}), flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(argv[3]):
+            if time.monotonic() > deadline:
+                print(f"throttle_app: {argv[3]} never came", file=sys.stderr)
+                return 1
+            time.sleep(0.01)
     t0 = time.monotonic()
     digest = hashlib.sha256()
     samples = 0
