@@ -240,7 +240,7 @@ def torchrun_part(count: int, delay: float, concurrency: int) -> list[list[str]]
                 "--nnodes=1",
                 "--master-addr=127.0.0.1",
                 f"--master-port={_port()}",
-                str(REPO / "tests" / "listing" / "split_rank.py"),
+                str(REPO / "tests" / "support" / "split_rank.py"),
                 "group",
                 srv.url,
                 srv.endpoint,

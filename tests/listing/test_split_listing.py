@@ -20,7 +20,7 @@ from blobdata._listing import list_flat, list_folder
 from blobdata.testing import SyntheticListServer
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "listing" / "split_rank.py"
+SCRIPT = ROOT / "tests" / "support" / "split_rank.py"
 RUN_TIMEOUT = 240.0
 
 

@@ -2,7 +2,7 @@
 benchmarks/bench_scale.py run it): lists ``URL`` with the job through the process group (``group``) or
 the shared directory (``files``), and writes what it asked the store and the listing it ended with.
 
-    torchrun --nproc-per-node 2 tests/listing/split_rank.py group|files URL ENDPOINT OUT_DIR [flat]
+    torchrun --nproc-per-node 2 tests/support/split_rank.py group|files URL ENDPOINT OUT_DIR [flat]
 """
 
 from __future__ import annotations
