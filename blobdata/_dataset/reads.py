@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -40,7 +41,7 @@ class Dataset(Protocol):
 
     def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError: ...
 
-__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch"]
+__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch", "read_direct", "take_staged"]
 
 #: How long a batch waits for the look-ahead to move past the batch before it (it reads the cache for
 #: what comes next): a loop that is this late is stuck, and the batch reads what it needs itself.
@@ -67,11 +68,9 @@ class ProcessState:
 
     def __init__(self, ds: Dataset) -> None:
         self.pid = _process.pid()
-        self.engine = FetchEngine(
-            ds.fetch_options,
-            ds._protocol,
-            resolve_storage_options(ds._protocol, ds._storage_options),
-            root=ds._url,
+        self._engine: FetchEngine | None = None  # made at the first fetch (a mixture's own state: never)
+        self._make_engine = functools.partial(
+            _engine_for, ds.fetch_options, ds._protocol, ds._storage_options, ds._url
         )
         # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
         self.cache: BlobCache | None = ds.cache
@@ -82,9 +81,28 @@ class ProcessState:
         self.advancing: threading.Event | None = None  # set once the look-ahead moved past the last batch
         #: The last batch read here and its objects' URLs, which making its samples needs again.
         self.urls: tuple[list[int], list[str]] | None = None
-        # Connections belong to this process's loop: close them there when this state goes away
-        # (the engine closes them itself at interpreter exit).
-        weakref.finalize(self, _close_engine, self.engine, self.pid)
+
+    @property
+    def engine(self) -> FetchEngine:
+        """This process's fetch engine for the dataset's store (made at first use)."""
+        engine = self._engine
+        if engine is None:
+            engine = self._engine = self._make_engine()
+            # Connections belong to this process's loop: close them there when this state goes away
+            # (the engine closes them itself at interpreter exit).
+            weakref.finalize(self, _close_engine, engine, self.pid)
+        return engine
+
+    def close_engine(self) -> None:
+        """Close the fetch engine, if one was made."""
+        if self._engine is not None:
+            self._engine.close()
+
+
+def _engine_for(
+    options: FetchOptions, protocol: str, storage_options: dict[str, Any], url: str
+) -> FetchEngine:
+    return FetchEngine(options, protocol, resolve_storage_options(protocol, storage_options), root=url)
 
 
 def _count_stored(n: int) -> None:
@@ -100,8 +118,15 @@ def _close_engine(engine: FetchEngine, pid: int) -> None:
 def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:
     """Each sample's data (or the error met reading it) where it could be had without the loop; else
     :data:`PENDING`."""
-    n = len(idx)
-    out: list[Any] = [PENDING] * n
+    out = take_staged(proc, idx)
+    read_direct(ds, proc, idx, out)
+    return [PENDING if d is IN_FLIGHT else d for d in out]
+
+
+def take_staged(proc: ProcessState, idx: list[int]) -> list[Any]:
+    """For each sample of the batch ``idx``: :data:`IN_FLIGHT` where the look-ahead of ``proc`` fetches
+    it (taken on the loop), else :data:`PENDING` (no longer marked present: the caller reads it)."""
+    out: list[Any] = [PENDING] * len(idx)
     advancing, proc.advancing = proc.advancing, None
     if advancing is not None:  # what it stages (its first move makes it) is taken from it, not read here
         advancing.wait(_ADVANCE_WAIT_S)
@@ -110,13 +135,18 @@ def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:
         for k, fetching in enumerate(staging.stager.take_ready(idx)):
             if fetching:
                 out[k] = IN_FLIGHT
+    return out
+
+
+def read_direct(ds: Dataset, proc: ProcessState, idx: list[int], out: list[Any]) -> None:
+    """Fill ``out[k]`` still :data:`PENDING` with what needs no loop: cache hits and local files of
+    ``ds`` (whose per-process state is ``proc``)."""
     local = ds._local_root is not None
     if proc.cache is None and not local:
-        return [PENDING if d is IN_FLIGHT else d for d in out]
-    rest = [k for k in range(n) if out[k] is PENDING]
+        return
+    rest = [k for k in range(len(idx)) if out[k] is PENDING]
     if rest:
         _read_direct(ds, proc, idx, rest, out, local)
-    return [PENDING if d is IN_FLIGHT else d for d in out]
 
 
 def _read_direct(
