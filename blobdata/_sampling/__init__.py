@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from .identity import ServedDigest, compare_runs, listing_digest, run_identity
 from .keyed import permute, round_keys
-from .mixing import Segment, checked_weights, largest_remainder, source_key
+from .mixing import checked_weights, largest_remainder, source_key
 from .rng import SampleDraws, enter_batch, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
 from .rng import current as current_sample
 from .rng import enter as enter_sample
@@ -57,7 +57,6 @@ __all__ = [
     "PartitionedSampler",
     "Progress",
     "SampleDraws",
-    "Segment",
     "ServedDigest",
     "canonical_nodes",
     "checked_weights",

@@ -1,5 +1,5 @@
 """A mixture's epoch as an exact plan, in plain numpy: which source each position of the epoch reads,
-and which of its samples (the arithmetic of :class:`~blobdata.MixtureSampler`).
+which of its samples, and which rank reads it (the arithmetic of :class:`~blobdata.MixtureSampler`).
 
 * **Counts.** An epoch of ``N`` samples reads ``c_s`` of source ``s``: the largest-remainder rounding of
   ``w_s / sum(w) * N`` (each source gets the floor of its quota, and the sources with the largest
@@ -12,15 +12,22 @@ and which of its samples (the arithmetic of :class:`~blobdata.MixtureSampler`).
 * **Interleave.** Source ``s``'s ``k``-th draw sits at key ``(k + u_s) / c_s``, with a phase ``u_s``
   in ``[0, 1)`` keyed by the seed, the epoch and the source; the epoch is every draw sorted by key
   (stride scheduling). Any run of ``m`` consecutive positions then holds ``m * c_s / N`` draws of
-  source ``s`` to within one or two: a batch's composition follows the weights.
-* **Segments.** A resumed epoch whose weights changed (:class:`Segment`): the positions already read
-  keep their sources and draws; from the resume's position ``m`` on, the ``N - m`` positions left are
-  planned as above with the new weights, each source's draws going on from where it stopped. The
-  epoch's length is unchanged.
+  source ``s`` to within less than the number of sources: a batch's composition follows the weights.
+* **Ranks.** ``W`` ranks read the epoch in blocks: rank ``r`` reads positions ``[r*L, (r+1)*L)``
+  (``L = ceil(N / W)``, the order padded by repeating its start as ``DistributedSampler`` pads, or
+  cut to ``floor(N / W)`` each with ``drop_last``). A block of an even order is even, so every rank's
+  batches follow the weights too (dealing round-robin would give rank 0 of 2 only one source of a 1:1
+  mix). At any step the ranks together have read the first ``p`` positions of every block.
+* **Phases.** A resumed epoch: what each earlier run read (``(W, p)``: ``W`` ranks read ``p`` samples
+  each) is left out, and the rest, in order (each block's unread tail, block after block, then a
+  ``drop_last`` cut), is dealt to this run's ranks in blocks again: at the same ``W`` exactly the
+  uninterrupted run's blocks; at another, each remaining sample once. A phase with other weights plans
+  its rest afresh (:func:`remaining`): the same length, counts and interleave by the new weights, each
+  source first reading what it had planned and not read, then going on along its draws.
 
-Everything is a function of (seed, epoch, weights, the sources' names and sizes, the segments): the
-same on every rank and for any number of workers. The hashes are splitmix64's (:mod:`.keyed`), not
-numpy's generators, so a plan does not depend on numpy's version.
+Everything is a function of (seed, epoch, weights, the sources' names and sizes, the phases): the same
+on every rank and for any number of workers. The hashes are splitmix64's (:mod:`.keyed`), not numpy's
+generators, so a plan does not depend on numpy's version.
 """
 
 from __future__ import annotations
@@ -28,24 +35,21 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
 from .._errors import ConfigError
 from .keyed import permute, round_keys
 
-__all__ = ["Segment", "checked_weights", "epoch_plan", "largest_remainder", "source_key", "stream"]
+__all__ = ["Pool", "checked_weights", "deal", "largest_remainder", "remaining", "source_key", "weighted"]
 
 # Salts (shares.py uses 1-4, elastic.py 5): a source's draws, and its phase in the interleave.
 _DRAWS, _PHASE = 6, 7
 
-
-class Segment(NamedTuple):
-    """From position ``start`` of an epoch (0 for its beginning), the weights the rest follows."""
-
-    start: int
-    weights: tuple[float, ...]
+#: A source's samples in a plan: an int ``n`` (samples ``0..n-1``) or an array of them (a node's share).
+Pool = int | np.ndarray
 
 
 def checked_weights(names: Sequence[str], weights: Any) -> tuple[float, ...]:
@@ -89,22 +93,21 @@ def source_key(name: str) -> int:
 
 def largest_remainder(weights: Sequence[float], total: int) -> np.ndarray:
     """``total`` split in proportion to ``weights`` (int64, summing to ``total``): floors of the
-    quotas, then one more to the largest remainders (ties to the earlier source)."""
-    w = np.asarray(weights, dtype=np.float64)
-    quotas = w / w.sum() * total
-    counts: np.ndarray = np.minimum(np.floor(quotas).astype(np.int64), total)  # rounding cannot give more than the whole
-    left = int(total - counts.sum())
-    if left > 0:
-        rem = quotas - counts
-        rem[w <= 0] = -1.0  # a source of weight 0 gets nothing
-        order = np.argsort(-rem, kind="stable")
-        counts[order[:left]] += 1
-    return counts
+    quotas, then one more to the largest remainders (ties to the earlier source). In exact arithmetic
+    (each float is a fraction), so that ties are ties on every machine."""
+    w = [Fraction(float(x)) for x in weights]
+    whole = sum(w)
+    quotas = [x * total / whole for x in w]
+    counts = [math.floor(q) for q in quotas]
+    order = sorted((s for s in range(len(w)) if w[s] > 0), key=lambda s: (counts[s] - quotas[s], s))
+    for s in order[: total - sum(counts)]:
+        counts[s] += 1
+    return np.asarray(counts, dtype=np.int64)
 
 
-def _phases(seed: int, epoch: int, segment: int, keys: Sequence[int]) -> np.ndarray:
+def _phases(seed: int, epoch: int, phase: int, keys: Sequence[int]) -> np.ndarray:
     return np.array(
-        [float(round_keys(_PHASE, seed, epoch, segment, k)[0]) / 2.0**64 for k in keys], dtype=np.float64
+        [float(round_keys(_PHASE, seed, epoch, phase, k)[0]) / 2.0**64 for k in keys], dtype=np.float64
     )
 
 
@@ -118,43 +121,65 @@ def _interleave(counts: np.ndarray, phases: np.ndarray) -> np.ndarray:
     return sources[np.argsort(keys, kind="stable")]
 
 
-def stream(
-    total: int,
-    pools: Sequence[np.ndarray | int],
-    offsets: Sequence[int],
-    keys: Sequence[int],
-    segments: Sequence[Segment],
-    *,
-    seed: int,
-    epoch: int,
-    shuffle: bool = True,
-) -> np.ndarray:
-    """An epoch of ``total`` positions over the sources' ``pools`` (each an int ``n``: samples
-    ``0..n-1``; or an array of the samples a node holds), as global indices (``offsets[s]`` + the
-    source's own index), following ``segments`` (the first starts at 0)."""
-    sources = np.zeros(total, dtype=np.int64)
-    for j, seg in enumerate(segments):
-        end = segments[j + 1].start if j + 1 < len(segments) else total
-        begin = min(seg.start, total)
-        end = max(begin, min(end, total))
-        counts = largest_remainder(seg.weights, total - begin)
-        sources[begin:end] = _interleave(counts, _phases(seed, epoch, j, keys))[: end - begin]
-    out = np.empty(total, dtype=np.int64)
-    for s, pool in enumerate(pools):
-        where = np.flatnonzero(sources == s)
-        if not len(where):
-            continue
+class Draws:
+    """Each source's draws of one epoch (global indices), taken in order: draw ``t`` of source ``s`` is
+    ``offsets[s] + pool[perm(t mod n)]``; :attr:`taken` counts what a plan took of each."""
+
+    def __init__(
+        self, pools: Sequence[Pool], offsets: Sequence[int], keys: Sequence[int], *, seed: int, epoch: int,
+        shuffle: bool,
+    ) -> None:  # fmt: skip
+        self.pools, self.offsets, self.keys = pools, offsets, keys
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        self.taken = [0] * len(pools)
+
+    def take(self, s: int, count: int) -> np.ndarray:
+        pool = self.pools[s]
         n = int(pool) if isinstance(pool, (int, np.integer)) else len(pool)
-        pos = np.arange(len(where), dtype=np.int64) % n
-        drawn = permute(pos, n, round_keys(_DRAWS, seed, epoch, keys[s])) if shuffle else pos
-        out[where] = offsets[s] + (drawn if isinstance(pool, (int, np.integer)) else np.asarray(pool)[drawn])
-    return out
+        pos = np.arange(self.taken[s], self.taken[s] + count, dtype=np.int64) % n
+        self.taken[s] += count
+        drawn = (
+            permute(pos, n, round_keys(_DRAWS, self.seed, self.epoch, self.keys[s])) if self.shuffle else pos
+        )
+        got = drawn if isinstance(pool, (int, np.integer)) else np.asarray(pool)[drawn]
+        return self.offsets[s] + got
 
 
-def epoch_plan(
-    total: int, sizes: Sequence[int], keys: Sequence[int], segments: Sequence[Segment], *, seed: int,
-    epoch: int, shuffle: bool = True,
-) -> np.ndarray:  # fmt: skip
-    """The whole epoch over whole sources of ``sizes`` (global indices)."""
-    offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-    return stream(total, list(sizes), offsets, keys, segments, seed=seed, epoch=epoch, shuffle=shuffle)
+def weighted(
+    total: int, weights: Sequence[float], draws: Draws, *, phase: int = 0, left: Sequence[np.ndarray] = ()
+) -> tuple[np.ndarray, np.ndarray]:
+    """A plan of ``total`` positions by ``weights``: (global indices, the source of each). Source ``s``
+    reads first ``left[s]`` (what an earlier plan had for it and was not read), then its next draws."""
+    counts = largest_remainder(weights, total)
+    sources = _interleave(counts, _phases(draws.seed, draws.epoch, phase, draws.keys))
+    out = np.empty(total, dtype=np.int64)
+    for s, c in enumerate(counts.tolist()):
+        if not c:
+            continue
+        old = left[s][:c] if s < len(left) else np.zeros(0, dtype=np.int64)
+        new = draws.take(s, c - len(old)) if c > len(old) else np.zeros(0, dtype=np.int64)
+        out[sources == s] = np.concatenate([old, new])
+    return out, sources
+
+
+def deal(n: int, world: int, per_rank: int) -> np.ndarray:
+    """Which of ``n`` positions each of ``world`` ranks reads, ``per_rank`` each, in blocks: shape
+    ``(world, per_rank)``; more than ``n`` in all repeats the start (padding), fewer leaves the end."""
+    return np.arange(world * per_rank, dtype=np.int64).reshape(world, per_rank) % max(n, 1)
+
+
+def remaining(
+    order: np.ndarray, sources: np.ndarray, world: int, per_rank: int, read: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """What is left of ``order`` (with each position's source) once ``world`` ranks dealt ``per_rank``
+    each read ``read`` each: every block's unread tail, block after block, then what the deal left out."""
+    blocks = deal(len(order), world, per_rank)
+    keep = np.concatenate(
+        [blocks[:, min(read, per_rank) :].reshape(-1), np.arange(world * per_rank, len(order))]
+    )
+    return order[keep], sources[keep]
+
+
+def per_rank_of(n: int, world: int, drop_last: bool) -> int:
+    """Samples per rank when ``world`` ranks read ``n``: ``DistributedSampler``'s count."""
+    return n // world if drop_last else math.ceil(n / world)

@@ -1,23 +1,24 @@
 """:class:`MixtureSampler`: a :class:`~blobdata.Mixture`'s epochs as exact plans
-(:mod:`blobdata._sampling.mixing`), dealt to the job's ranks, resumable.
+(:mod:`blobdata._sampling.mixing`), dealt to the job's ranks in blocks, resumable.
 
 Two ways to deal an epoch to ranks:
 
-* **global** (default): the epoch's one order of ``N`` positions, dealt round-robin as
-  ``DistributedSampler`` deals (rank ``r`` of ``W`` reads positions ``r, r + W, ...``; the tail padded
-  by repeating the start, or cut with ``drop_last``). The ranks together read the epoch once; a loader
-  state records the global position read, so a run resumed at another world size deals the rest.
+* **global** (default): the epoch's one order of ``N`` positions, rank ``r`` of ``W`` reading block
+  ``r`` (``ceil(N / W)`` positions, padded by repeating the start as ``DistributedSampler`` pads, or
+  ``floor(N / W)`` with ``drop_last``). The ranks together read the epoch once. A loader state records
+  what each run read (``W`` ranks, ``p`` samples each): a run resumed at another world size deals the
+  rest in blocks to its ranks, each remaining sample once.
 * **by node** (``by_node=True``, ``dataloader(sampler="partitioned")``): each node reads its own share
   of every source every epoch (:func:`blobdata._sampling.shares.node_share`, as
   :class:`~blobdata.PartitionedSampler` does), so node caches add up. Node ``j`` plans its part of the
   epoch (``N / nnodes`` positions, to within one) with the same weights over its shares, and its ranks
-  deal it round-robin, every rank ``ceil(N / W)`` samples (padding from the node's own part). A source
-  smaller than the number of nodes is not split. Mid-epoch, a state resumes at the same layout only.
+  read it in blocks, every rank of the job ``ceil(N / W)`` samples (padding from the node's own part).
+  A source smaller than the number of nodes is not split. Mid-epoch, a state resumes at the same
+  layout only.
 
 Weights: a state saved with other weights loads with ``strict=False`` (or into a mixture made with
 ``reweight_on_resume=True``): what was read stays read, and the rest of the epoch (the same length)
-follows the new weights (a new :class:`~blobdata._sampling.mixing.Segment` from the global position, or
-per node from its position).
+is planned again with the new weights (:func:`blobdata._sampling.mixing.weighted`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .._errors import ConfigError
 from .._listing import dist_info
-from .mixing import Segment, epoch_plan, stream
+from .mixing import Draws, checked_weights, deal, per_rank_of, remaining, weighted
 from .shares import node_share
 
 __all__ = ["MixtureSampler"]
@@ -85,10 +86,10 @@ class MixtureSampler(DistributedSampler[int]):
         self.keys: tuple[int, ...] = tuple(dataset.source_keys)
         self.weights: tuple[float, ...] = tuple(dataset.weight_tuple)
         self.samples_per_epoch = int(dataset.samples_per_epoch)
-        #: Read of the current epoch before this run: global positions, or (by node) samples per rank.
-        self.start = 0
-        #: The current epoch's segments, when a resume changed its weights (else one, of ``weights``).
-        self.segments: tuple[Segment, ...] | None = None
+        #: What earlier runs read of the current epoch: ``(W, p)``, W ranks (a node's, by node) read p each.
+        self.consumed: tuple[tuple[int, int], ...] = ()
+        #: The weights of each phase of the current epoch (one more than ``consumed``), when resumed.
+        self.phase_weights: tuple[tuple[float, ...], ...] | None = None
         self.epoch_samples: int | None = None  # the resumed epoch's length (the state's)
         self.owned_by_loader = False  # made by mix.dataloader(): the loader moves its epoch on
         self._set_epoch_calls = 0
@@ -105,70 +106,83 @@ class MixtureSampler(DistributedSampler[int]):
 
     def set_weights(self, weights: Any) -> None:
         """New weights from the next epoch begun (a curriculum); the same checks as the mixture's."""
-        from .mixing import checked_weights
-
         self.weights = checked_weights(self.dataset.names, weights)  # type: ignore[attr-defined]
 
     def forget(self) -> None:
         """Whole epochs again: nothing of a resumed epoch left out."""
-        self.start, self.segments, self.epoch_samples = 0, None, None
+        self.consumed, self.phase_weights, self.epoch_samples = (), None, None
 
     def _total(self) -> int:
         return self.samples_per_epoch if self.epoch_samples is None else self.epoch_samples
 
-    def _segments(self) -> tuple[Segment, ...]:
-        return self.segments if self.segments is not None else (Segment(0, self.weights),)
+    def _weights(self) -> tuple[tuple[float, ...], ...]:
+        return self.phase_weights if self.phase_weights is not None else (self.weights,)
 
-    def _per_rank(self) -> int:
-        n, w = self._total(), self.num_replicas
-        if self.by_node:
-            return n // w if self.drop_last else math.ceil(n / w)
-        rest = max(0, n - self.start)
-        return rest // w if self.drop_last else math.ceil(rest / w)
+    def _first(self) -> tuple[int, int, int]:
+        """(positions this rank's plan has, ranks that deal it, samples each reads) before any phase."""
+        total, w = self._total(), self.num_replicas
+        if not self.by_node:
+            return total, w, per_rank_of(total, w, self.drop_last)
+        k, j = self.nnodes, self.node_rank
+        return (
+            total // k + (1 if j < total % k else 0),
+            self.nproc_per_node,
+            per_rank_of(total, w, self.drop_last),
+        )
+
+    def _now(self) -> tuple[int, int]:
+        """(positions left in this phase, samples each rank reads of them), computed without the plan."""
+        n, _, per = self._first()
+        for world, read in self.consumed:
+            if not self.by_node:
+                per = per_rank_of(n, world, self.drop_last)
+            left = max(0, per - read)
+            n, per = world * left + max(0, n - world * per), left
+        return n, per if self.by_node else per_rank_of(n, self.num_replicas, self.drop_last)
 
     def __len__(self) -> int:
-        per = self._per_rank()
-        return max(0, per - self.start) if self.by_node else per
+        return self._now()[1]
 
     def _plan(self) -> np.ndarray:
-        """The epoch's order (global), or this node's part of it (by node)."""
-        total, segs = self._total(), self._segments()
-        key = (total, segs, self.seed, self.epoch, self.shuffle, self.weights, self.by_node, self.nnodes,
-               self.node_rank, self.sizes)  # fmt: skip
+        """The current phase's order: the epoch's (global), or this node's part of it (by node)."""
+        key = (self._total(), self.consumed, self._weights(), self.seed, self.epoch, self.shuffle,
+               self.drop_last, self.by_node, self.nnodes, self.node_rank, self.sizes)  # fmt: skip
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
-        if not self.by_node:
-            plan = epoch_plan(total, self.sizes, self.keys, segs, seed=self.seed, epoch=self.epoch,
-                              shuffle=self.shuffle)  # fmt: skip
-        else:
+        offsets = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
+        if self.by_node:
             k, j = self.nnodes, self.node_rank
-            mine = total // k + (1 if j < total % k else 0)
-            pools = [
-                node_share(n, seed=self.seed, nnodes=k, node=j) if n >= k else np.arange(n, dtype=np.int64)
-                for n in self.sizes
+            pools: list[Any] = [
+                node_share(n, seed=self.seed, nnodes=k, node=j) if n >= k else n for n in self.sizes
             ]
-            offsets = np.concatenate([[0], np.cumsum(self.sizes)]).tolist()
-            node_segs = [Segment(min(s.start * self.nproc_per_node, mine), s.weights) for s in segs]
-            plan = stream(mine, pools, offsets, self.keys, node_segs, seed=self.seed, epoch=self.epoch,
-                          shuffle=self.shuffle)  # fmt: skip
-        self._memo = (key, plan)
-        return plan
+        else:
+            pools = list(self.sizes)
+        draws = Draws(pools, offsets, self.keys, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        n, _, per = self._first()
+        weights = self._weights()
+        order, sources = weighted(n, weights[0], draws)
+        for phase, (world, read) in enumerate(self.consumed, start=1):
+            if not self.by_node:
+                per = per_rank_of(len(order), world, self.drop_last)
+            order, sources = remaining(order, sources, world, per, read)
+            per = max(0, per - read)
+            if _weights_differ(weights[phase], weights[phase - 1]):  # the rest planned by the new weights
+                left = [order[sources == s] for s in range(len(self.sizes))]
+                order, sources = weighted(len(order), weights[phase], draws, phase=phase, left=left)
+        self._memo = (key, order)
+        return order
 
     def indices(self) -> np.ndarray:
         """This rank's samples for the current epoch (global indices of the mixture), in the order
         ``__iter__`` yields them (int64)."""
-        plan, per = self._plan(), self._per_rank()
-        if self.by_node:
-            p = self.nproc_per_node
-            k = np.arange(self.start, per, dtype=np.int64)
-            return plan[(self.local_rank + p * k) % max(len(plan), 1)] if len(plan) else plan[:0]
-        rest = plan[min(self.start, len(plan)) :]
-        w = self.num_replicas
-        mine = np.arange(self.rank, per * w, w, dtype=np.int64)
-        return rest[mine % max(len(rest), 1)] if len(rest) else rest
+        order = self._plan()
+        per = self._now()[1]
+        me, ranks = (self.local_rank, self.nproc_per_node) if self.by_node else (self.rank, self.num_replicas)
+        return order[deal(len(order), ranks, per)[me]] if len(order) else order
 
     def global_order(self) -> list[int]:
-        """The whole epoch's order (global mode), the same on every rank (for inspection)."""
+        """The current phase's order (of the whole epoch, or by node this node's part), the same on every
+        rank of a node: the ranks read it in blocks (for inspection)."""
         order: list[int] = self._plan().tolist()
         return order
 
@@ -179,21 +193,26 @@ class MixtureSampler(DistributedSampler[int]):
     def loader_state(self) -> dict[str, Any]:
         """What replays the current epoch from its start (JSON-friendly)."""
         names = self.dataset.names  # type: ignore[attr-defined]
+        weights = self._weights()
         return {
             "kind": "mixture", "seed": self.seed, "epoch": self.epoch, "samples": self._total(),
             "shuffle": self.shuffle, "drop_last": self.drop_last, "by_node": self.by_node,
-            "layout": [self.nnodes, self.nproc_per_node], "start": self.start,
-            "weights": dict(zip(names, self._segments()[-1].weights, strict=True)),
-            "segments": [[s.start, list(s.weights)] for s in self._segments()],
+            "layout": [self.nnodes, self.nproc_per_node], "consumed": [list(c) for c in self.consumed],
+            "weights": dict(zip(names, weights[-1], strict=True)),
+            "phase_weights": [list(w) for w in weights],
             "sources": self.dataset.source_identities(),  # type: ignore[attr-defined]
         }  # fmt: skip
 
     def state_after(self, start: dict[str, Any], per_rank: int) -> dict[str, Any]:
         """``start`` (:meth:`loader_state` at the epoch's start) after every rank read ``per_rank`` more."""
-        if self.by_node:
-            return {**start, "start": int(start["start"]) + max(0, int(per_rank))}
-        n = int(start["samples"])
-        return {**start, "start": min(n, int(start["start"]) + max(0, int(per_rank)) * self.num_replicas)}
+        world = self.nproc_per_node if self.by_node else self.num_replicas
+        read = max(0, min(int(per_rank), len(self)))
+        weights = start["phase_weights"]
+        return {
+            **start,
+            "consumed": [*start["consumed"], [world, read]],
+            "phase_weights": [*weights, weights[-1]],
+        }
 
     def check_state(self, state: dict[str, Any]) -> None:
         """Refuse (whatever ``strict``) a state saved over other sources, naming each difference."""
@@ -217,19 +236,23 @@ class MixtureSampler(DistributedSampler[int]):
         ``reweight``: other weights are taken (the rest of the epoch follows this sampler's); else
         refused. Returns the weights' difference in words, or None."""
         try:
-            epoch, total, start = int(state["epoch"]), int(state["samples"]), int(state["start"])
+            epoch, total = int(state["epoch"]), int(state["samples"])
             saved = {k: state[k] for k in ("seed", "shuffle", "drop_last", "by_node")}
             layout = [int(x) for x in state["layout"]]
-            segs = tuple(Segment(int(a), tuple(float(x) for x in w)) for a, w in state["segments"])
+            consumed = tuple((int(w), int(p)) for w, p in state["consumed"])
+            weights = tuple(tuple(float(x) for x in w) for w in state["phase_weights"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"blobdata loader state: a bad mixture state ({exc!r})") from None
+        s = len(self.sizes)
         if (
-            not segs
-            or segs[0].start != 0
-            or any(len(s.weights) != len(self.sizes) for s in segs)
-            or not (0 <= start <= total and total > 0)
+            total < 1
+            or len(weights) != len(consumed) + 1
+            or any(
+                len(w) != s or not all(math.isfinite(x) and x >= 0 for x in w) or not any(w) for w in weights
+            )
+            or any(w < 1 or p < 0 for w, p in consumed)
         ):
-            raise ConfigError("blobdata loader state: a bad mixture state (segments, start or samples)")
+            raise ConfigError("blobdata loader state: a bad mixture state (samples, consumed or weights)")
         here = {
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -237,7 +260,7 @@ class MixtureSampler(DistributedSampler[int]):
             "by_node": self.by_node,
         }
         for key, value in here.items():
-            if saved[key] != value and (key != "drop_last" or not complete):
+            if saved[key] != value and not (complete and key == "drop_last"):
                 raise ConfigError(
                     f"the loader state was saved with a MixtureSampler of {key}={saved[key]!r}, this one has "
                     f"{key}={value!r}: its order would differ, so it cannot resume there"
@@ -248,14 +271,10 @@ class MixtureSampler(DistributedSampler[int]):
                 f"this job has {self.nnodes} of {self.nproc_per_node}: a by-node mixture resumes mid-epoch "
                 "at the same layout only (or load a state saved at an epoch's end)"
             )
-        changed = _weights_differ(segs[-1].weights, self.weights)
         names = self.dataset.names  # type: ignore[attr-defined]
-        words = (
-            f"weights {_named(names, segs[-1].weights)} in the state, {_named(names, self.weights)} here"
-            if changed
-            else None
-        )
-        if words is not None and not reweight:
+        changed = _weights_differ(weights[-1], self.weights)
+        words = f"weights {_named(names, weights[-1])} in the state, {_named(names, self.weights)} here"
+        if changed and not reweight:
             raise ConfigError(
                 f"this loader state was saved with other {words}: pass strict=False to load_state_dict, or "
                 "make the mixture with reweight_on_resume=True, to resume it with this mixture's weights "
@@ -264,9 +283,9 @@ class MixtureSampler(DistributedSampler[int]):
         self.set_epoch(epoch)
         self.forget()
         if not complete:
-            self.start, self.epoch_samples = start, total
-            self.segments = segs + ((Segment(start, self.weights),) if changed else ())
-        return words
+            self.consumed, self.epoch_samples = consumed, total
+            self.phase_weights = (*weights[:-1], self.weights)
+        return words if changed else None
 
 
 def _weights_differ(a: tuple[float, ...], b: tuple[float, ...]) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -45,6 +46,8 @@ from .peek import batched, indices_of
 from .rng import epoch_seed
 
 __all__ = ["STATE_VERSION", "Progress", "own_generator"]
+
+log = logging.getLogger("blobdata")
 
 STATE_VERSION = 3  # 3: the samples read (another batch size resumes), a DistributedSampler's start
 _READS = (1, 2, STATE_VERSION)
@@ -343,12 +346,15 @@ class Progress:
             self.sampler.set_epoch(int(saved["epoch"]))
         if kind == "partitioned":
             self.sampler.load_loader_state(saved, complete=complete)
-        if kind == "mixture":
-            reweight = not strict or bool(getattr(self.sampler.dataset, "reweight_on_resume", False))
-            said = self.sampler.load_loader_state(saved, complete=complete, reweight=reweight)
+        if kind == "mixture":  # other weights: asked for by the mixture (said at INFO), or strict=False
+            asked = bool(getattr(self.sampler.dataset, "reweight_on_resume", False))
+            said = self.sampler.load_loader_state(saved, complete=complete, reweight=asked or not strict)
             if said is not None:
-                warnings.warn(f"resuming a mixture's loader state saved with other {said}: the rest of its "
-                              "epoch follows this mixture's weights", UserWarning, stacklevel=3)  # fmt: skip
+                text = f"resuming a mixture's state saved with other {said}: the rest follows this mixture's"
+                if asked:
+                    log.info("blobdata: %s", text)
+                else:
+                    warnings.warn(text, UserWarning, stacklevel=3)
         resume = None if complete else _Resume(state, saved, samples)
         if resume is not None:
             resume.whole = whole
@@ -467,7 +473,7 @@ def _moved_on(sampler: Any, resume: _Resume) -> bool:
 
 def _leaves_out(sampler: Any) -> bool:
     """Whether ``sampler`` now leaves out the start of a resumed epoch (elastic or partitioned)."""
-    if isinstance(sampler, PartitionedSampler):
+    if isinstance(sampler, (PartitionedSampler, MixtureSampler)):
         return bool(sampler.consumed)
     return getattr(sampler, "start", 0) > 0
 
