@@ -139,7 +139,9 @@ class Runner:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--size", default="20KB")
     parser.add_argument("--classes", type=int, default=8)
@@ -153,7 +155,7 @@ def main() -> None:
     import torch
     from torch.utils.data import DataLoader
 
-    from blobdata import BlobCache, FolderDataset
+    from blobdata import FolderDataset
     from blobdata._config import parse_size
     from blobdata.testing import LocalS3Server, s3_client, upload
 
@@ -175,31 +177,35 @@ def main() -> None:
             loader_fn = pil_loader if decode else read_len
             transform = first_pixel_sum if decode else None
             for workers in args.workers:
-                gen = torch.Generator()
-                kw: dict[str, Any] = dict(batch_size=args.batch_size, shuffle=True, num_workers=workers)
+                kw: dict[str, Any] = dict(batch_size=args.batch_size, shuffle=True, num_workers=workers,
+                                          generator=torch.Generator())  # fmt: skip
                 if workers:
                     kw["persistent_workers"] = True
 
                 def plain(kw: dict[str, Any] = kw, decode: bool = decode) -> Any:
-                    return DataLoader(PlainDataset(root, decode), generator=gen, **kw)  # type: ignore[arg-type]
+                    return DataLoader(PlainDataset(root, decode), **kw)  # type: ignore[arg-type]
 
                 def local(kw: dict[str, Any] = kw, lf: Any = loader_fn, tf: Any = transform) -> Any:
-                    return FolderDataset(root, loader=lf, transform=tf).dataloader(generator=gen, **kw)
+                    return FolderDataset(root, loader=lf, transform=tf).dataloader(**kw)
 
                 cache_dir = work / f"cache-{decode}-{workers}"
 
-                def hit(kw: dict[str, Any] = kw, lf: Any = loader_fn, tf: Any = transform, c: Path = cache_dir) -> Any:
+                def hit(
+                    kw: dict[str, Any] = kw, lf: Any = loader_fn, tf: Any = transform, c: Path = cache_dir
+                ) -> Any:
+                    assert server is not None
                     ds = FolderDataset("s3://bench/train", loader=lf, transform=tf,
-                                       storage_options=server.storage_options, cache=str(c))  # type: ignore[union-attr]
+                                       storage_options=server.storage_options, cache=str(c))  # fmt: skip
                     for _ in ds.dataloader(batch_size=64):  # fills the cache
                         pass
                     ds.close()  # its cache writes flushed
-                    return ds.dataloader(generator=gen, **kw)
+                    return ds.dataloader(**kw)
 
                 def get(kw: dict[str, Any] = kw, lf: Any = loader_fn, tf: Any = transform) -> Any:
+                    assert server is not None
                     ds = FolderDataset("s3://bench/train", loader=lf, transform=tf,
-                                       storage_options=server.storage_options)  # type: ignore[union-attr]
-                    return ds.dataloader(generator=gen, **kw)
+                                       storage_options=server.storage_options)  # fmt: skip
+                    return ds.dataloader(**kw)
 
                 makers = {"plain": plain, "local": local, "hit": hit, "get": get}
                 runners = [Runner(p, makers[p], workers) for p in args.paths]

@@ -9,8 +9,8 @@ port and ``--nproc-per-node`` ranks each, each node with its own cache directory
 ``--cache-fraction`` of the dataset's bytes. Each epoch is one run of the job that resumes from the
 checkpoint of the previous one (the caches stay on disk, as a node's NVMe does), so the proxy's
 count between runs is exactly that epoch's GETs. Prints GETs per epoch and the ratio of epochs 2 and 3
-to epoch 1; ``--json PATH`` saves them. A benchmark: it asserts nothing (tests/sampling/test_partition_torchrun.py
-runs it small and checks the ratios).
+to epoch 1; ``--json PATH`` saves them. A benchmark: it asserts nothing
+(tests/sampling/test_partition_torchrun.py runs it small and checks the ratios).
 
     python benchmarks/bench_partition_torchrun.py [--objects 600] [--nproc-per-node 2]
 """

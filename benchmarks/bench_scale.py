@@ -1,5 +1,5 @@
 """What grows with the dataset on every process: the sampler's epoch plan, the manifest in memory, and
-the listing of one big prefix (issue 32).
+the listing of one big prefix (issue 32); and what a listing of millions of keys costs (issue 42).
 
 1. sampler: one rank of 16 nodes x 8 ranks (``PartitionedSampler``, and ``ElasticDistributedSampler``
    with ``permutation="keyed"``), each size in a fresh process: the first and second epoch's plan
@@ -10,8 +10,22 @@ the listing of one big prefix (issue 32).
    each reports the growth of its anonymous RSS (``RssAnon`` in /proc/self/status) and of its RSS.
 3. listing: a synthetic ListObjectsV2 server (``blobdata.testing.SyntheticListServer``, ``N`` keys from a
    formula, a fixed delay per request) listed page by page and with the parallel lister.
+4. cpu: the client's CPU per 1,000-key page, listing ``--cpu-keys`` at once, against the regex floor (one
+   regex pulling Key, Size and ETag out of each entry of the same page) measured in the same process,
+   and each parser alone on that page.
+5. memory: peak RSS growth (VmHWM) while listing ``--cpu-keys``, saving and mapping the manifest, against
+   the saved file's size.
+6. torchrun: 2 ranks (gloo, CPU) listing ``--torchrun-keys`` together: requests per rank, their sum against
+   the requests the server answered, and one process alone.
+7. share: a ``--share-entries`` manifest, node 5 of ``--share-nodes`` reading every sample of its share:
+   the manifest mapped whole (before) or its share cut and mapped; pages in the page cache (mincore)
+   against the share's part of the manifest's pages.
+8. e2e: ``--e2e-keys`` in ``--e2e-classes`` class folders listed, saved and mapped, in one process.
 
-    python benchmarks/bench_scale.py [--parts sampler,manifest,listing] [--quick] [--json out.json]
+``--before PATH`` runs parts 4 and 5 with the blobdata of another checkout too (the code before issue 42).
+
+    python benchmarks/bench_scale.py [--parts sampler,manifest,listing,cpu,memory,torchrun,share,e2e]
+                                     [--quick] [--json out.json]
 
 A benchmark prints; it asserts nothing.
 """
@@ -269,6 +283,49 @@ def sampler_part(sizes: list[int], baseline_max: int) -> list[list[str]]:
     return rows
 
 
+def _listing_parts(args: Any, parts: set[str], doc: dict[str, Any]) -> None:
+    """Parts 4 to 8 (issue 42): benchmarks/scale_listing.py."""
+    import scale_listing as sl
+
+    print(f"\nload average {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} "
+          f"on {os.cpu_count()} CPUs", flush=True)  # fmt: skip
+    keys = 20_000 if args.quick else args.cpu_keys
+    if "cpu" in parts:
+        print(f"\n4. client CPU listing {keys:,} keys at once (no delay), against the regex floor")
+        rows = sl.cpu_part(keys, args.concurrency, args.before)
+        print(table(["code", "keys", "requests", "client CPU s", "ms / 1000 keys", "ms / request",
+                     "regex floor ms", "/ floor", "parser ms/page", "ElementTree ms/page"], rows))
+        doc["cpu"] = rows
+    if "memory" in parts:
+        print(f"\n5. peak RSS while listing {keys:,} keys (list, save, map), against the saved manifest")
+        rows = sl.memory_part(keys, args.concurrency, args.before)
+        print(table(["code", "keys", "manifest MiB", "peak RSS +MiB", "/ manifest", "wall s", "CPU s"], rows))
+        doc["memory"] = rows
+    if "torchrun" in parts:
+        n = 20_000 if args.quick else args.torchrun_keys
+        print(f"\n6. 2 ranks under torchrun (gloo) listing {n:,} keys together, {args.delay_ms:g} ms each")
+        rows = sl.torchrun_part(n, args.delay_ms / 1000, args.concurrency)
+        print(table(["keys", "folders", "ms/request", "requests rank 0", "rank 1", "sum", "server answered",
+                     "wall s", "one process s (requests)"], rows))  # fmt: skip
+        doc["torchrun"] = rows
+    if "share" in parts:
+        n = 400_000 if args.quick else args.share_entries
+        nodes = 16 if args.quick else args.share_nodes
+        print(f"\n7. node 5 of {nodes} reading every sample of its share of a {n:,}-entry manifest")
+        rows = sl.share_part(n, nodes, args.tmp)
+        print(table(["entries", "nodes", "how", "share", "its part of the pages", "manifest pages in cache",
+                     "share file pages", "/ its part", "map or cut s", "read s"], rows))  # fmt: skip
+        doc["share"] = rows
+    if "e2e" in parts:
+        n = 50_000 if args.quick else args.e2e_keys
+        classes = 10 if args.quick else args.e2e_classes
+        print(f"\n8. end to end: {n:,} keys in {classes} class folders listed, saved, mapped")
+        rows = sl.e2e_part(n, classes, args.concurrency)
+        print(table(["keys", "folders", "requests", "wall s", "CPU s", "CPU µs/key", "manifest MiB",
+                     "peak RSS +MiB"], rows))  # fmt: skip
+        doc["e2e"] = rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="sampler,manifest,listing")
@@ -287,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-ms", type=float, default=30.0)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--tmp", default=None, help="where the benchmark's manifest is written")
+    p.add_argument("--cpu-keys", type=int, default=1_000_000)
+    p.add_argument("--torchrun-keys", type=int, default=200_000)
+    p.add_argument("--share-entries", type=int, default=20_000_000)
+    p.add_argument("--share-nodes", type=int, default=128)
+    p.add_argument("--e2e-keys", type=int, default=20_000_000)
+    p.add_argument("--e2e-classes", type=int, default=1000)
+    p.add_argument("--before", help="a checkout of blobdata before issue 42 (measured in parts cpu, memory)")
     args = p.parse_args(argv)
     if args.child:
         part, *rest = args.child
@@ -326,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(["keys", "ms/request", "floor s", "page by page s", "client CPU s", "ranges s",
                      "client CPU s", "ranges/floor", "speed-up", "identical"], rows))  # fmt: skip
         doc["listing"] = rows
+    _listing_parts(args, parts, doc)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -118,7 +118,7 @@ def test_package_builds_as_wheel_and_sdist(tmp_path: Path) -> None:
         assert done.returncode == 0, done.stderr[-3000:]
     wheel = next(out.glob("blobdata-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for name in ("blobdata/py.typed", "blobdata/_stores/s3.py", "blobdata/_cache/cache.py",
+    for name in ("blobdata/py.typed", "blobdata/_stores/s3/reader.py", "blobdata/_cache/cache.py",
                  "blobdata/_cache/db.py", "blobdata/gpu/_pipeline.py"):  # fmt: skip
         assert name in names, name
     meta = next(n for n in names if n.endswith("METADATA"))

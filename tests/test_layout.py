@@ -27,7 +27,8 @@ ALLOWED: dict[str, set[str]] = {
     "_cache": set(),
     "_decode": {"_node"},
     "_fetch": {"_node", "_metrics", "_stores"},
-    "_listing": {"_fetch", "_metrics", "_node", "_stores"},
+    "_tables": {"_fetch", "_stores"},
+    "_listing": {"_fetch", "_metrics", "_node", "_stores", "_tables"},
     "_sampling": {"_listing"},
     "transforms": {"_decode", "_sampling"},
     "gpu": {"_metrics", "_decode", "_sampling", "transforms"},
@@ -124,7 +125,7 @@ def test_graph_sees_imports() -> None:
     graph = _graph()
     assert "blobdata._errors" in graph["blobdata._fetch.engine"]
     assert "blobdata._fetch.engine" in graph["blobdata._fetch"]
-    assert "blobdata._stores.base" in graph["blobdata._stores.s3"]
+    assert "blobdata._stores.base" in graph["blobdata._stores.s3.reader"]
     assert "blobdata._process" in graph["blobdata._loop"]  # "from . import _process"
 
 

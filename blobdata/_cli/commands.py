@@ -18,7 +18,7 @@ from .._errors import BlobdataError, ConfigError
 from .._stores import redact, resolve_storage_options
 from .._url import parse_url, printable
 from . import bench as _bench
-from .layout import choose, memory_note, parse_extensions
+from .layout import choose, manifest_for, memory_note, parse_extensions
 from .warm import has_cache, human_size, print_summary, used_bytes, warm
 from .warm_objects import dataset_for, warm_dataset
 from .warm_summary import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -73,23 +73,6 @@ def parse_storage_options(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str, Any]) -> Any:
-    """The listing of ``url``: ``--manifest``, else the remembered one, else a fresh listing."""
-    from .._listing import load_or_list
-
-    return load_or_list(
-        url,
-        storage_options=storage_options,
-        refresh=args.refresh,
-        manifest=args.manifest,
-        extensions=parse_extensions(args.extensions),
-        is_valid_file=None,
-        allow_empty=args.allow_empty,
-        concurrency=args.concurrency,
-        progress=False if args.quiet else None,
-    )
-
-
 # -- warm ----------------------------------------------------------------------------------------
 
 
@@ -97,7 +80,7 @@ def _warm_folder(
     args: argparse.Namespace, url: str, resolved: dict[str, Any], size: int | None, t0: float, started: float
 ) -> tuple[Any, str | None, Any, str | None]:
     """Warm a class folder (FolderDataset's listing): (summary, eviction line, node share, memory note)."""
-    manifest = _manifest_for(args, url, resolved)
+    manifest = manifest_for(args, url, resolved)
     memory = memory_note(manifest, args.manifest, started)
     if memory is not None:
         print(printable(f"{url}: {memory}"), flush=True)
@@ -287,7 +270,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         from .ls_samples import cmd_ls_samples
 
         return cmd_ls_samples(args, url, opts, layout, started, _save_manifest)
-    m = _manifest_for(args, url, opts)
+    m = manifest_for(args, url, opts)
     memory = memory_note(m, args.manifest, started)
     counts = (
         np.bincount(m.targets, minlength=len(m.classes)) if len(m) else np.zeros(len(m.classes), np.int64)
@@ -374,7 +357,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if layout.blob:  # BlobDataset's listing, made just now to find the layout, or remembered
         args.refresh = args.refresh and listing is None
     elif not args.manifest:  # list here, with a bar unless --quiet; the dataset finds it
-        listing = _manifest_for(args, url, resolved)
+        listing = manifest_for(args, url, resolved)
         args.refresh = False
     memory = memory_note(listing, args.manifest, started) if listing is not None else None
     if memory is not None:
@@ -453,7 +436,7 @@ def cmd_cache_trim(args: argparse.Namespace) -> int:
             given = parse_storage_options(args.storage_option or [])
             opts = resolve_storage_options(parse_url(url).protocol, given)
             started = time.time()
-            manifest = _manifest_for(args, url, opts)
+            manifest = manifest_for(args, url, opts)
             memory = memory_note(manifest, args.manifest, started)
             if memory is not None:
                 print(printable(f"{url}: {memory}"), flush=True)

@@ -30,10 +30,11 @@ import time
 from typing import Any
 
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
+from .._errors import ConfigError
 
 __all__ = [
-    "CLASSES", "INDEX", "METADATA", "OBJECTS", "Layout", "add_layout_args", "choose", "memory_note",
-    "parse_extensions",
+    "CLASSES", "INDEX", "METADATA", "OBJECTS", "Layout", "add_layout_args", "choose", "manifest_for",
+    "memory_note", "parse_extensions",
 ]  # fmt: skip
 
 CLASSES, OBJECTS, METADATA, INDEX = "classes", "objects", "metadata", "index"
@@ -155,13 +156,22 @@ def _remembered_classes(
 
 
 def _flat(url: str, storage_options: dict[str, Any], args: argparse.Namespace) -> Any:
-    """BlobDataset's listing of ``url`` (remembered as its is)."""
+    """BlobDataset's listing of ``url`` (remembered as its is); with ``--split-listing``, listed by every
+    node together, each a part, as the class folders' listing is (:func:`manifest_for`)."""
+    import functools
+
     from .._listing import load_or_list_flat
 
-    return load_or_list_flat(
-        url, storage_options=storage_options, refresh=args.refresh,
-        fetch_options=FetchOptions(concurrency=args.concurrency),
-    )  # fmt: skip
+    fetch_options = FetchOptions(concurrency=args.concurrency)
+    make = functools.partial(load_or_list_flat, url, storage_options=storage_options, refresh=args.refresh,
+                             fetch_options=fetch_options)  # fmt: skip
+    if not getattr(args, "split_listing", False):
+        return make()
+    from .._listing import help_list, shared_manifest
+
+    help = functools.partial(help_list, url, storage_options=storage_options, fetch_options=fetch_options,
+                             flat=True)  # fmt: skip
+    return shared_manifest(url, make, key="flat", help=help, info=_nodes(args))
 
 
 def _from_manifest(args: argparse.Namespace, url: str, storage_options: dict[str, Any]) -> Layout:
@@ -262,3 +272,37 @@ def _age(seconds: float) -> str:
         if seconds >= n:
             return f"{seconds / n:.1f} {unit}"
     return f"{max(0.0, seconds):.0f} s"
+
+
+def manifest_for(args: argparse.Namespace, url: str, storage_options: dict[str, Any]) -> Any:
+    """The listing of ``url``: ``--manifest``, else the remembered one, else a fresh listing (with
+    ``--split-listing``, listed by every node together, each a part)."""
+    import functools
+
+    from .._config import FetchOptions
+    from .._listing import help_list, listing_params, load_or_list, shared_manifest
+
+    extensions = parse_extensions(args.extensions)
+    make = functools.partial(load_or_list, url, storage_options=storage_options, refresh=args.refresh,
+                             manifest=args.manifest, extensions=extensions, is_valid_file=None,
+                             allow_empty=args.allow_empty, concurrency=args.concurrency,
+                             progress=False if args.quiet else None)  # fmt: skip
+    if not getattr(args, "split_listing", False):
+        return make()
+    help = functools.partial(help_list, url, storage_options=storage_options,
+                             fetch_options=FetchOptions(concurrency=args.concurrency))  # fmt: skip
+    key = repr(listing_params(extensions, None))
+    return shared_manifest(url, make, key=key, help=help, info=_nodes(args))
+
+
+def _nodes(args: argparse.Namespace) -> Any:
+    """This node's place among those that list together: ``--nnodes/--node-rank``, else torchrun's
+    variables; one process per node."""
+    from .._listing import DistInfo, env_info
+
+    env = env_info()
+    nnodes = args.nnodes if getattr(args, "nnodes", None) is not None else env.nnodes
+    node = args.node_rank if getattr(args, "node_rank", None) is not None else env.node_rank
+    if nnodes < 1 or not 0 <= node < nnodes:
+        raise ConfigError(f"--node-rank must be in 0..{nnodes - 1} with --nnodes {nnodes}, got {node}")
+    return DistInfo(node, nnodes, 0, 1, node, False)

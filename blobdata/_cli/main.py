@@ -86,6 +86,12 @@ def _listing_parent(*, url_required: bool) -> argparse.ArgumentParser:
         "--allow-empty", action="store_true",
         help="accept class folders without a valid file (as allow_empty=True)",
     )
+    listing.add_argument(
+        "--split-listing", action="store_true",
+        help="list the folder together with the other nodes (--nnodes/--node-rank, or torchrun's variables): "
+        "each lists a part, node 0 joins them; every node runs the command at once and shares "
+        "BLOBDATA_SHARED_DIR",
+    )  # fmt: skip
 
     return listing
 
@@ -163,6 +169,8 @@ def _parser() -> argparse.ArgumentParser:
         help="list a folder: its layout, classes or samples, objects, bytes",
     )
     ls.add_argument("--json", action="store_true", help="print JSON")
+    ls.add_argument("--nnodes", type=int, default=None, help="with --split-listing: the nodes that list")
+    ls.add_argument("--node-rank", type=int, default=None, help="with --split-listing: this node")
     ls.add_argument(
         "--save-manifest", metavar="PATH_OR_URL",
         help="write the listing there for other nodes (with --index: the samples, converted once; "

@@ -186,17 +186,27 @@ class BlobDatasetBase:
     def _cached(self, indices: list[int]) -> list[bool]:
         """Whether each sample's objects are all in the node cache: one index lookup for them all, on
         the loop, for the look-ahead (what it finds is not fetched, but read by the thread serving its
-        batch, which uses the bytes: allocated and freed in one thread, with one lookup per batch)."""
-        cache = self._process().cache
+        batch, which uses the bytes: allocated and freed in one thread, with one lookup per batch).
+        Samples this process read from an ``"admit"`` cache are known held (:class:`Held`): not looked
+        up again."""
+        proc = self._process()
+        cache = proc.cache
         if cache is None:
             return [False] * len(indices)
-        obj = self._objects(indices)
+        held = proc.held
+        ask = held.unknown(indices) if held is not None else indices
+        if not ask:
+            return [True] * len(indices)
+        obj = self._objects(ask)
         t = time.perf_counter()
         found = cache.has_many(list(zip(obj.urls, obj.ids, strict=True)))
         _stats.rec()[_stats.CACHE_S] += time.perf_counter() - t
-        if obj.offsets is None:
+        if obj.offsets is not None:
+            found = [all(found[a:b]) for a, b in itertools.pairwise(obj.offsets)]
+        if ask is indices:
             return found
-        return [all(found[a:b]) for a, b in itertools.pairwise(obj.offsets)]
+        answer = dict(zip(ask, found, strict=True))
+        return [answer.get(i, True) for i in indices]
 
     @property
     def cache_dir(self) -> str | None:
@@ -340,15 +350,12 @@ class BlobDatasetBase:
         return await self._await_all(indices, tasks)
 
     async def _await_all(self, indices: list[int], tasks: list[asyncio.Future[Any]]) -> list[Any]:
-        """What ``tasks`` (one per index of ``indices``) give, or the exception each met."""
-        return list(await asyncio.gather(*tasks, return_exceptions=True))
+        return list(await asyncio.gather(*tasks, return_exceptions=True))  # each result, or its exception
 
-    def _any_cache(self) -> bool:
-        """Whether what is fetched goes to a node cache (a mixture: any of its sources')."""
+    def _any_cache(self) -> bool:  # whether fetched bytes go to a node cache (a mixture: any source's)
         return self.cache is not None
 
-    def _marks_present(self) -> bool:
-        """Whether the look-ahead asks :meth:`_cached` which samples the batch reads itself."""
+    def _marks_present(self) -> bool:  # whether the look-ahead asks _cached what the batch reads itself
         return self.cache is not None
 
     def _advance_on_loop(self, proc: ProcessState, indices: list[int], seed: int | None) -> None:

@@ -23,9 +23,9 @@ from .._cache import BlobCache
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions
 from .._decode import decode, decode_with, default_loader
 from .._errors import BlobdataError, ConfigError
-from .._listing import Manifest, listing_params, load_or_list, shared_manifest
+from .._listing import Manifest, help_list, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
-from .._sampling import enter_batch, leave_sample
+from .._sampling import enter_batch, leave_sample, this_nodes_share
 from .._stores import list_requests, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
 from .ahead import Stopped
@@ -76,12 +76,17 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
                       :attr:`errors`. A callable ``(url, exc)`` skips and is called for each bad sample.
     fetch_options:    :class:`FetchOptions` (requests in flight, timeout, attempts, part size, the
                       look-ahead's depth and bytes).
-    share_listing:    under torchrun or an initialised process group, rank 0 lists and the others
-                      receive its manifest (default True; a collective call: pass False for a dataset
-                      made on one rank only).
+    share_listing:    under torchrun or an initialised process group, the ranks list the bucket
+                      together (each a part; rank 0 joins) and every rank gets the one manifest
+                      (default True; a collective call: pass False for a dataset made on one rank only).
     skip_hidden:      skip class folders whose name starts with ``.`` or ``__`` (``.ipynb_checkpoints``,
                       macOS's ``__MACOSX``), as Hugging Face does (default False: they are classes, as in
                       torchvision's ImageFolder, with a warning naming each).
+    node_share:       keep only this node's share of the listing (True, or ``{"seed": s}`` for a
+                      :class:`PartitionedSampler` of another seed than 0): each node maps the entries
+                      of the samples ``PartitionedSampler`` gives it (with ``mix=0``), O(its share) on
+                      its disk and in its page cache, whatever the dataset's size. Read it with that
+                      sampler; another sampler's index outside the share is a :class:`ConfigError`.
 
     Still accepted, for code written against earlier releases: ``lookahead=`` and
     ``lookahead_bytes=`` (the same as ``FetchOptions(lookahead=..., lookahead_bytes=...)``), and
@@ -109,6 +114,7 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         fetch_options: FetchOptions | None = None,
         share_listing: bool = True,
         skip_hidden: bool = False,
+        node_share: bool | Mapping[str, int] = False,
         **legacy: Any,
     ) -> None:
         old = legacy_keywords("FolderDataset", legacy)
@@ -145,11 +151,18 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
             local_root=self._local_root,
         )
         key = repr(listing_params(exts, valid))
+        help = functools.partial(help_list, self._url, storage_options=make.keywords["storage_options"],
+                                 fetch_options=self.fetch_options)  # the listing split across the job
         lists = list_requests()
-        listed = shared_manifest(self._url, make, key=key) if share_listing else make()
+        listed = shared_manifest(self._url, make, key=key, help=help) if share_listing else make()
         if not own_find:  # hidden and special class folders: skipped, or said (a subclass chose its own)
             listed = hidden_classes(listed, self._url, skip_hidden, allow_empty) or listed
         self.list_requests = list_requests() - lists  # LIST requests its listing took (remembered: none)
+        if node_share:
+            if own_find:
+                raise ConfigError("node_share keeps only this node's samples: it cannot be combined with "
+                                  "find_classes or make_dataset overrides")  # fmt: skip
+            listed = this_nodes_share(listed, {} if node_share is True else dict(node_share))
         self._manifest, self._targets = listed, listed.targets
         self.classes: list[str] = list(listed.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
@@ -164,6 +177,11 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
                 building.reset(token)
 
     # -- ImageFolder compatibility -------------------------------------------------------------
+    @property
+    def node_share(self) -> dict[str, Any] | None:
+        """The node share this dataset keeps (``node_share=``): seed, nodes, node; None: every sample."""
+        return getattr(self._manifest, "spec", None)
+
     @property
     def manifest(self) -> Manifest:
         """The listing this dataset reads (compact arrays; save it to share it with other nodes)."""

@@ -1,6 +1,8 @@
-"""A batch's bytes by the shortest way: what the look-ahead read ahead from the node cache, local files
-and cache hits read in the thread that serves the batch (one index query per batch, no event loop, no
-task per sample), and only the rest fetched on the process's loop.
+"""A batch's bytes by the shortest way: local files and cache hits read in the thread that serves the
+batch (one index query per batch, no event loop, no task per sample), and only the rest fetched on the
+process's loop, or taken from what the look-ahead fetched there. The look-ahead fetches only what the
+node cache does not hold (it looks upcoming samples up there, one query per batch): what the cache holds
+is read here, when its batch comes, by the thread that uses the bytes.
 
 The thread serving batches counts what it read itself, once per batch, in slots of its own
 (:data:`blobdata._metrics.stats.B_FROM_CACHE` ...): each counter keeps one writer thread.
@@ -11,10 +13,13 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import threading
 import time
 import weakref
 from typing import Any, NamedTuple, Protocol
+
+import numpy as np
 
 from .. import _process
 from .._cache import BlobCache, CacheWriter
@@ -26,9 +31,11 @@ from .._metrics import stats as _stats
 from .._stores import read_local_file, resolve_storage_options
 from .ahead import BuiltAhead
 
+__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch", "read_direct", "take_staged"]
+
 
 class Dataset(Protocol):
-    """What the reads need of a dataset (:class:`~blobdata._dataset.base.Dataset`)."""
+    """What the reads need of a dataset (:class:`~blobdata._dataset.base.BlobDatasetBase`)."""
 
     _url: str
     _local_root: str | None
@@ -37,11 +44,12 @@ class Dataset(Protocol):
     cache: BlobCache | None
     fetch_options: FetchOptions
 
+    def __len__(self) -> int: ...
+
     def _objects(self, indices: list[int]) -> Objects: ...
 
     def _object_error(self, row: int, exc: BlobdataError) -> BlobdataError: ...
 
-__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch", "read_direct", "take_staged"]
 
 #: How long a batch waits for the look-ahead to move past the batch before it (it reads the cache for
 #: what comes next): a loop that is this late is stuck, and the batch reads what it needs itself.
@@ -81,6 +89,9 @@ class ProcessState:
         self.advancing: threading.Event | None = None  # set once the look-ahead moved past the last batch
         #: The last batch read here and its objects' URLs, which making its samples needs again.
         self.urls: tuple[list[int], list[str]] | None = None
+        #: The samples this process read from the cache, under "admit" (where entries stay until trimmed
+        #: or cleared): the look-ahead does not look them up again.
+        self.held = Held(len(ds)) if self.cache is not None and self.cache.policy == "admit" else None
 
     @property
     def engine(self) -> FetchEngine:
@@ -103,6 +114,33 @@ def _engine_for(
     options: FetchOptions, protocol: str, storage_options: dict[str, Any], url: str
 ) -> FetchEngine:
     return FetchEngine(options, protocol, resolve_storage_options(protocol, storage_options), root=url)
+
+
+class Held:
+    """Which samples one process found in the node cache, a bit each (1 M samples: 128 KiB). Written by
+    the thread serving batches only (a hit marks, a miss clears); read by the look-ahead on the loop. A
+    stale mark (an entry trimmed away since) costs that sample a fetch when its batch comes, not a wrong
+    byte: the batch reads the cache itself."""
+
+    def __init__(self, n: int) -> None:
+        self._bits = np.zeros((n + 7) // 8, dtype=np.uint8)
+
+    def unknown(self, indices: list[int]) -> list[int]:
+        """Those of ``indices`` not known to be held (all of them where the marks say nothing)."""
+        at = np.asarray(indices, dtype=np.int64)
+        known = (self._bits[at >> 3] >> (at & 7).astype(np.uint8)) & 1
+        if known.all():
+            return []
+        out: list[int] = at[known == 0].tolist()
+        return out
+
+    def mark(self, indices: list[int], held: list[bool]) -> None:
+        """``indices`` were found held (True) or missing (False) in the cache just now."""
+        at = np.asarray(indices, dtype=np.int64)
+        yes = np.asarray(held, dtype=bool)
+        bits = (1 << (at & 7)).astype(np.uint8)
+        np.bitwise_or.at(self._bits, at[yes] >> 3, bits[yes])
+        np.bitwise_and.at(self._bits, at[~yes] >> 3, ~bits[~yes])
 
 
 def _count_stored(n: int) -> None:
@@ -174,6 +212,12 @@ def _read_direct(
                     nbytes += len(data)
             v[_stats.B_FROM_CACHE] += hits
             v[_stats.B_BYTES_CACHE] += nbytes
+        held = proc.held
+        if held is not None:  # for the look-ahead: these need no lookup next time (or do again)
+            cached = [b is not None for b in bodies]
+            if obj.offsets is not None:
+                cached = [all(cached[a:b]) for a, b in itertools.pairwise(obj.offsets)]
+            held.mark([idx[k] for k in rest], cached)
     if local:
         _read_files(ds, proc, obj, bodies)
     offsets = obj.offsets

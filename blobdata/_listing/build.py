@@ -14,8 +14,9 @@ from typing import Any
 from .._config import FetchOptions
 from .._errors import EmptyDatasetError
 from .._url import printable
-from .distributed import shared_manifest, shared_table
 from .flat import load_or_list_flat
+from .job.distributed import shared_manifest, shared_table
+from .job.split import help_list
 from .manifest import Manifest
 from .samples import SampleTable, group_listing
 
@@ -66,7 +67,9 @@ def build_table(
         load_or_list_flat, root, storage_options=storage_options, refresh=refresh, manifest=manifest,
         fetch_options=fetch_options, max_age=max_age,
     )  # fmt: skip
-    listing = shared_manifest(root, make, key="flat") if share else make()
+    help = functools.partial(help_list, root, storage_options=storage_options, fetch_options=fetch_options,
+                             flat=True)  # fmt: skip
+    listing = shared_manifest(root, make, key="flat", help=help) if share else make()
     relkeys = [listing.relkey(j) for j in range(len(listing))]
     if metadata is None:
         name = find_metadata(relkeys, METADATA_NAMES)
@@ -148,8 +151,8 @@ def _saved_table(
 ) -> tuple[SampleTable | None, bytes | None]:
     """The table saved at ``index`` (``blobdata ls --index --save-manifest``, known by its magic bytes),
     else None and the index's bytes when they had to be read to tell (a URL)."""
+    from .._tables import read_bytes
     from .tablefile import TABLE_MAGIC, is_table, load_table
-    from .tables import read_bytes
 
     if index.rstrip("/").endswith("manifest.json"):
         return None, None

@@ -17,14 +17,20 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_duration
-from .._errors import BlobdataError, ConfigError, NotFound
+from .._errors import BlobdataError, NotFound
 from .._loop import run
 from .._retry import final_error
-from .._stores import credential_hint, lister_for, listing_scope, resolve_storage_options
-from .._url import BlobURL, parse_url
-from .folders import _scheme_hint, load_remembered, remember_listing
+from .._stores import Columns, credential_hint, lister_for, listing_scope, resolve_storage_options
+from .._url import parse_url
+from .bulk import key_sorted, starting_with
+from .folders import _scheme_hint
+from .job import split
+from .job.split import Job, parent_of
 from .manifest import Manifest, manifest_path
+from .remembered import load_remembered, remember_listing
 
 __all__ = ["FLAT_PARAMS", "list_flat", "load_or_list_flat"]
 
@@ -34,37 +40,23 @@ logger = logging.getLogger(__name__)
 FLAT_PARAMS: dict[str, Any] = {"layout": "flat"}
 
 
-def _parent(url: BlobURL) -> tuple[BlobURL, str]:
-    if url.protocol in ("file", "memory"):
-        head, _, name = url.prefix.rstrip("/").rpartition("/")
-        if not name:
-            raise ConfigError(f"{url} is a filesystem root: name a folder below it", url=str(url))
-        return BlobURL(url.protocol, "", head or "/"), name
-    if not url.prefix:
-        raise ConfigError(
-            f"{url} is a bucket's root: a BlobDataset lists a folder below it (s3://bucket/folder), or "
-            "pass index= to name the objects without a listing",
-            url=str(url),
-        )
-    head, _, name = url.prefix.rpartition("/")
-    return BlobURL(url.protocol, url.bucket, head), name
-
-
 def list_flat(
     url: str,
     *,
     storage_options: Mapping[str, Any] | None = None,
     fetch_options: FetchOptions | None = None,
+    together: Job | None = None,
 ) -> Manifest:
-    """Every object below ``url`` (any depth), sorted by key; folder markers left out."""
+    """Every object below ``url`` (any depth), sorted by key; folder markers left out. ``together``: rank
+    0's side of a listing split across the job (:mod:`blobdata._listing.job.split`)."""
     parsed = parse_url(url)
     root = str(parsed)
     options = fetch_options if fetch_options is not None else FetchOptions()
     opts = resolve_storage_options(parsed.protocol, storage_options)
-    parent, name = _parent(parsed)
+    parent, name = parent_of(parsed)
     listed_at = time.time()
 
-    async def go() -> list[tuple[str, int, str]]:
+    async def go() -> Columns:
         lister = lister_for(parent, opts, options)
         try:
             return await lister.below(name)
@@ -72,25 +64,37 @@ def list_flat(
             await lister.aclose()
 
     try:
-        found = run(go())
+        if together is not None:
+            got = split.together(lambda: (parent, opts), options, together, lambda lister: _one(name))
+            assert got is not None  # rank 0's
+            found = got[1][0]
+        else:
+            found = run(go())
     except BlobdataError:
         raise
     except FileNotFoundError:
-        found = []
+        found = Columns.empty()
     except Exception as exc:
         hint = credential_hint(parsed.protocol)
         raise final_error(exc, root, hint=hint, what="listing", timeout=options.timeout) from exc
-    cut = len(name) + 1
-    entries = sorted((k[cut:], s, i) for k, s, i in found if k.startswith(name + "/") and not k.endswith("/"))
-    if not entries:
+    head = (name + "/").encode("utf-8", "surrogatepass")
+    objects = key_sorted(found.take(starting_with(found, head)).cut(len(head)))
+    del found
+    if not len(objects):
         if parsed.protocol == "file" and not os.path.exists(parsed.prefix):  # as FolderDataset says it
             raise NotFound(
                 f"nothing found at {root}: no such local folder{_scheme_hint(parsed.prefix)}", url=root
             )
         raise NotFound(f"nothing found at {root}: check the bucket and prefix (or the local path)", url=root)
-    return Manifest.from_entries(
-        root, [""], ((k, s, i, 0) for k, s, i in entries), listed_at=listed_at, params=FLAT_PARAMS
-    )
+    return Manifest.from_arrays(
+        root, [""], keys=objects.keys, key_offsets=objects.key_offsets, sizes=objects.sizes,
+        targets=np.zeros(len(objects), dtype=np.int32), ids=objects.ids, id_offsets=objects.id_offsets,
+        listed_at=listed_at, params=FLAT_PARAMS,
+    )  # fmt: skip
+
+
+async def _one(name: str) -> list[str]:
+    return [name]
 
 
 def load_or_list_flat(
@@ -101,12 +105,28 @@ def load_or_list_flat(
     manifest: str | os.PathLike[str] | None = None,
     fetch_options: FetchOptions | None = None,
     max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
+    together: Job | None = None,
 ) -> Manifest:
-    """The remembered flat listing of ``url`` (see the module docstring)."""
+    """The remembered flat listing of ``url`` (see the module docstring); ``together``: rank 0's side of
+    a listing split across the job (:mod:`blobdata._listing.job.split`)."""
+    with split.leading(together):
+        return _load_or_list_flat(url, storage_options, refresh, manifest, fetch_options, max_age, together)
+
+
+def _load_or_list_flat(
+    url: str,
+    storage_options: Mapping[str, Any] | None,
+    refresh: bool,
+    manifest: str | os.PathLike[str] | None,
+    fetch_options: FetchOptions | None,
+    max_age: float | str | None,
+    together: Job | None,
+) -> Manifest:
     parsed = parse_url(url)
     root = str(parsed)
     opts = resolve_storage_options(parsed.protocol, storage_options)
     if manifest is not None:
+        split.announce(together, listing=False)
         source = os.fspath(manifest)
         m_proto = parse_url(source).protocol if "://" in source else "file"
         return Manifest.load(
@@ -118,6 +138,8 @@ def load_or_list_flat(
     path = manifest_path(root, listing_scope(parsed.protocol, opts), FLAT_PARAMS)
     loaded = load_remembered(path, root, max_age) if remember and not refresh else None
     if loaded is not None:
+        split.announce(together, listing=False)
         return loaded
-    listed = list_flat(url, storage_options=opts, fetch_options=fetch_options)
+    split.announce(together, listing=True)
+    listed = list_flat(url, storage_options=opts, fetch_options=fetch_options, together=together)
     return remember_listing(listed, path) if remember else listed

@@ -19,17 +19,18 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .._config import DEFAULT_LISTING_MAX_AGE, FetchOptions, parse_duration
-from .._errors import BlobdataError, ConfigError, EmptyDatasetError, ManifestError, NotFound
+from .._errors import BlobdataError, ConfigError, EmptyDatasetError, NotFound
 from .._loop import run
 from .._metrics import progress as _progress
-from .._node import check_shared_dir
 from .._retry import final_error
 from .._stores import (
-    Entry,
+    Columns,
+    Growing,
     Lister,
     credential_hint,
     identity_from_info,
@@ -38,12 +39,15 @@ from .._stores import (
     resolve_storage_options,
 )
 from .._url import BlobURL, check_relkeys, parse_url, printable
+from .bulk import valid_by, walk_sorted, with_extensions
 from .filters import UNIDENTIFIED, filter_identity
-from .manifest import Manifest, load_own, manifest_path
+from .job import split
+from .job.split import Job
+from .manifest import Manifest, manifest_path
+from .remembered import _say_once, load_remembered, remember_listing
 
 __all__ = [
-    "IMG_EXTENSIONS", "REMEMBERED_RECORD", "identity_from_info", "list_folder", "load_or_list",
-    "load_remembered", "remember_listing",
+    "IMG_EXTENSIONS", "identity_from_info", "list_folder", "load_or_list",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -76,12 +80,6 @@ def _validator(
         return (lambda relkey, path: not relkey.endswith("/") and bool(fn(path))), None
     exts = _ext_tuple(extensions)
     return (lambda relkey, path: not relkey.endswith("/") and relkey.lower().endswith(exts)), exts
-
-
-def _walk_order(relkey: str) -> tuple[str, str]:
-    # sorted(os.walk(d)) sorts directories by their full path; sorted(fnames) within each.
-    head, _, tail = relkey.rpartition("/")
-    return head, tail
 
 
 def listing_params(
@@ -121,7 +119,7 @@ def _check_nonempty(manifest: Manifest, extensions: tuple[str, ...] | None) -> N
 
 async def _list(
     url: BlobURL, storage_options: Mapping[str, Any], options: FetchOptions, progress: bool | None = None
-) -> tuple[list[str], list[list[Entry]]]:
+) -> tuple[list[str], list[Columns]]:
     """(sorted class names, the raw objects below each, then those below an empty-named folder if any)."""
     lister = lister_for(url, storage_options, options)
     try:
@@ -159,9 +157,10 @@ def _found(url: BlobURL, lister: Lister) -> str:
             "without class folders")  # fmt: skip
 
 
-async def list_with(
-    lister: Lister, url: BlobURL, concurrency: int, progress: bool | None = False
-) -> tuple[list[str], list[list[Entry]]]:
+async def class_folders(lister: Lister, url: BlobURL) -> list[str]:
+    """The class folders below ``url``, sorted, then ``""`` when keys such as ``root//x.jpg`` lie in a folder
+    with an empty name (listed only to be named as skipped); the errors ImageFolder raises when there
+    is nothing, or no class folder."""
     root = str(url)
     names, anything = await lister.folders()
     if not anything and url.protocol == "file" and os.path.isdir(url.prefix):
@@ -177,14 +176,20 @@ async def list_with(
     if not classes:
         where = url.prefix if url.protocol == "file" else root
         raise EmptyDatasetError(f"Couldn't find any class folder in {where}{_found(url, lister)}", url=root)
-    sem = asyncio.Semaphore(concurrency)
+    return classes + ([""] if "" in names else [])
 
-    # "" is the folder of keys such as root//x.jpg: listed only to report them as skipped.
-    folders = classes + ([""] if "" in names else [])
+
+async def list_with(
+    lister: Lister, url: BlobURL, concurrency: int, progress: bool | None = False
+) -> tuple[list[str], list[Columns]]:
+    root = str(url)
+    folders = await class_folders(lister, url)
+    classes = [f for f in folders if f]
+    sem = asyncio.Semaphore(concurrency)
     bar = _progress.bar(desc=f"listing {root}", total=len(folders), unit="prefix", progress=progress)
     listed = 0
 
-    async def one(folder: str) -> list[Entry]:
+    async def one(folder: str) -> Columns:
         nonlocal listed
         async with sem:
             found = await lister.below(folder)
@@ -205,6 +210,31 @@ async def list_with(
     return classes, list(results)
 
 
+def _in_order(
+    results: list[Columns],
+    classes: list[str],
+    check: Callable[[str, str], bool],
+    exts: tuple[str, ...] | None,
+    prefix: str,
+) -> tuple[Columns, list[int]]:
+    """Every class's valid objects in ImageFolder's order, one class after the other, and how many each
+    has; each class's columns are let go once taken (``results`` is emptied)."""
+    counts: list[int] = []
+    parts = Growing()
+    single: Columns | None = None
+    for name in classes:
+        objects = results.pop(0)
+        keep = with_extensions(objects, exts) if exts is not None else valid_by(objects, check, prefix)
+        objects = walk_sorted(objects.take(keep), name + "/")
+        counts.append(len(objects))
+        if len(counts) == 1 and not results:  # one class: its arrays are the manifest's, no copy
+            single = objects
+        else:
+            parts.add(objects)
+        del objects
+    return (single if single is not None else parts.done()), counts
+
+
 def list_folder(
     url: str,
     *,
@@ -216,6 +246,7 @@ def list_folder(
     fetch_options: FetchOptions | None = None,
     progress: bool | None = None,
     local_root: str | None = None,
+    together: Job | None = None,
 ) -> Manifest:
     """List ``url`` (a folder with one sub-folder per class) into a Manifest, ImageFolder order.
 
@@ -229,6 +260,7 @@ def list_folder(
     Raises EmptyDatasetError (a FileNotFoundError) when there is no class folder or, unless
     ``allow_empty``, a class has no valid file; NotFound, AccessDenied,
     FetchError for a missing bucket/prefix, refused credentials or an unreachable endpoint.
+    ``together``: rank 0's side of a listing split across the job (:mod:`blobdata._listing.job.split`).
     """
     parsed = parse_url(url)
     root = str(parsed)
@@ -238,7 +270,14 @@ def list_folder(
     listed_at = time.time()
     t0 = time.monotonic()
     try:
-        classes, results = run(_list(parsed, opts, options, progress))
+        if together is not None:
+            got = split.together(
+                lambda: (parsed, opts), options, together, lambda lister: class_folders(lister, parsed)
+            )
+            assert got is not None  # rank 0's
+            classes, results = [f for f in got[0] if f], got[1]
+        else:
+            classes, results = run(_list(parsed, opts, options, progress))
     except BlobdataError:
         raise
     except Exception as exc:
@@ -249,26 +288,24 @@ def list_folder(
     if parsed.protocol == "file":
         under = local_root if local_root is not None else parsed.prefix
         prefix = under if under.endswith(os.sep) else under + os.sep
-    per_class: list[list[Entry]] = []
-    for objs in results[: len(classes)]:
-        kept = [o for o in objs if check(o[0], prefix + o[0])]
-        kept.sort(key=lambda o: _walk_order(o[0]))
-        per_class.append(kept)
-    skipped = (
-        [root + "/" + o[0] for o in results[len(classes)] if not o[0].endswith("/")]
-        if len(results) > len(classes)
-        else []
-    )
+    skipped: list[str] = []
+    if len(results) > len(classes):
+        skipped = [root + "/" + k for k in results.pop().key_list() if not k.endswith("/")]
     if skipped:
         logger.warning(
             "%d object(s) under %s lie in a folder with an empty name and belong to no class; skipped, "
             "e.g. %s", len(skipped), root, printable(", ".join(skipped[:3])),
         )  # fmt: skip
-    entries = ((key, size, ident, t) for t, objs in enumerate(per_class) for key, size, ident in objs)
-    manifest = Manifest.from_entries(
+    objects, counts = _in_order(results, classes, check, exts, prefix)
+    manifest = Manifest.from_arrays(
         root,
         classes,
-        entries,
+        keys=objects.keys,
+        key_offsets=objects.key_offsets,
+        sizes=objects.sizes,
+        targets=np.repeat(np.arange(len(classes), dtype=np.int32), counts),
+        ids=objects.ids,
+        id_offsets=objects.id_offsets,
         listed_at=listed_at,
         skipped=skipped,
         params=listing_params(extensions, is_valid_file),
@@ -280,30 +317,6 @@ def list_folder(
     return manifest
 
 
-_said: set[str] = set()
-
-
-def _say_once(key: str, msg: str, *args: Any, extra: Mapping[str, Any] | None = None) -> bool:
-    """Log ``msg`` at WARNING the first time ``key`` is said in this process; whether it was."""
-    if key in _said:
-        return False
-    _said.add(key)
-    logger.warning(msg, *args, extra=extra)
-    return True
-
-
-#: Set on the log record that says a remembered listing is used: a command line that prints its own
-#: line for it can leave the record out.
-REMEMBERED_RECORD = "blobdata_remembered_listing"
-
-
-def _human_age(seconds: float) -> str:
-    for unit, n in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
-        if seconds >= n:
-            return f"{seconds / n:.1f} {unit}"
-    return f"{seconds:.0f} s"
-
-
 def _listing_options(fetch_options: FetchOptions | None, concurrency: int | None, root: str) -> FetchOptions:
     options = fetch_options if fetch_options is not None else FetchOptions()
     if concurrency is not None:
@@ -311,60 +324,6 @@ def _listing_options(fetch_options: FetchOptions | None, concurrency: int | None
             raise ConfigError(f"concurrency must be a positive integer, got {concurrency!r}", url=root)
         options = options.replace(concurrency=concurrency)
     return options
-
-
-#: What chose the directory of remembered listings (named in messages about it).
-_HOME = "BLOBDATA_CACHE_HOME"
-
-
-def load_remembered(path: Path, root: str, max_age: float | str | None) -> Manifest | None:
-    """The listing of ``root`` remembered at ``path`` if there is one, usable and younger than
-    ``max_age`` (None: any age); else None, and the caller lists again (an unusable file is said at
-    WARNING, one too old at INFO). The cache home is a place other users of the node may reach: a
-    file that is not this user's own (another user's, a link, writable by others, in a directory
-    others can write) is never mapped, only said at WARNING (:func:`~blobdata._node.open_own`). A
-    listing reused is said at WARNING, once per process and file, with its age and how to list again:
-    the first loop with one's own data is upload, run, upload again."""
-    limit = None if max_age is None else parse_duration(max_age, name="listing_max_age")
-    try:
-        loaded = load_own(path, setting=_HOME, expect_root=root)
-    except NotFound:
-        return None
-    except ConfigError as exc:
-        logger.warning("remembered listing of %s not used: %s; listing %s again", root, exc, root)
-        return None
-    except ManifestError as exc:
-        logger.warning("remembered listing %s is unusable (%s); listing %s again", path, exc, root)
-        return None
-    age = max(0.0, time.time() - loaded.listed_at)
-    if limit is not None and age > limit:
-        logger.info("remembered listing of %s is %s old (listing_max_age=%s): listing again",
-                    root, _human_age(age), max_age)  # fmt: skip
-        return None
-    said = _say_once(
-        f"remembered|{path}",
-        "using the remembered listing of %s, made %s ago (%d objects): objects uploaded, changed or removed "
-        "since are not in it; refresh=True (blobdata ... --refresh) lists the bucket again, listing_max_age= "
-        "bounds the age of a listing reused (default 7 days)",
-        root, _human_age(age), len(loaded), extra={REMEMBERED_RECORD: root},
-    )  # fmt: skip
-    if not said:
-        logger.info("using the remembered listing of %s from %s ago (%d objects)", root, _human_age(age),
-                    len(loaded))  # fmt: skip
-    return loaded
-
-
-def remember_listing(listed: Manifest, path: Path) -> Manifest:
-    """``listed`` saved at ``path`` and mapped from there (the node's other processes share its pages);
-    ``listed`` itself, with a WARNING, where it cannot be: a directory other users could write (or
-    that is not this user's) is never written to."""
-    try:
-        check_shared_dir(str(path.parent), setting=_HOME)
-        listed.save(path)
-        return load_own(path, setting=_HOME, expect_root=listed.root)
-    except (OSError, ConfigError, ManifestError, NotFound) as exc:
-        logger.warning("could not remember the listing of %s in %s: %s", listed.root, path, exc)
-        return listed
 
 
 def load_or_list(
@@ -382,6 +341,7 @@ def load_or_list(
     progress: bool | None = None,
     max_age: float | str | None = DEFAULT_LISTING_MAX_AGE,
     local_root: str | None = None,
+    together: Job | None = None,
 ) -> Manifest:
     """The remembered listing of ``url``.
 
@@ -390,13 +350,42 @@ def load_or_list(
     :func:`~blobdata._listing.manifest.manifest_path` when it is there and valid (no request to the store),
     else list and remember it (``save``). ``refresh=True`` always lists again. ``memory://``
     listings are never remembered (that store lives and dies with the process). ``progress``: bars
-    for a listing or a manifest download (None: when stderr is a terminal).
+    for a listing or a manifest download (None: when stderr is a terminal). ``together``: rank 0's
+    side of a listing split across the job: the other ranks are told whether to list with it
+    (:mod:`blobdata._listing.job.split`).
     """
+    with split.leading(together):
+        return _load_or_list(
+            url, storage_options=storage_options, refresh=refresh, manifest=manifest, extensions=extensions,
+            is_valid_file=is_valid_file, allow_empty=allow_empty, concurrency=concurrency,
+            fetch_options=fetch_options, save=save, progress=progress, max_age=max_age, local_root=local_root,
+            together=together,
+        )  # fmt: skip
+
+
+def _load_or_list(
+    url: str,
+    *,
+    storage_options: Mapping[str, Any] | None,
+    refresh: bool,
+    manifest: str | os.PathLike[str] | None,
+    extensions: tuple[str, ...] | None,
+    is_valid_file: Callable[[str], bool] | None,
+    allow_empty: bool,
+    concurrency: int | None,
+    fetch_options: FetchOptions | None,
+    save: bool,
+    progress: bool | None,
+    max_age: float | str | None,
+    local_root: str | None,
+    together: Job | None,
+) -> Manifest:
     parsed = parse_url(url)
     root = str(parsed)
     _check, exts = _validator(extensions, is_valid_file)
     opts = resolve_storage_options(parsed.protocol, storage_options)
     if manifest is not None:
+        split.announce(together, listing=False)
         source = os.fspath(manifest)
         m_proto = parse_url(source).protocol if "://" in source else "file"
         m_opts = opts if m_proto == parsed.protocol else None
@@ -426,9 +415,11 @@ def load_or_list(
     path = manifest_path(root, listing_scope(parsed.protocol, opts), params)
     remembered = load_remembered(path, root, max_age) if remember and not refresh else None
     if remembered is not None:
+        split.announce(together, listing=False)
         if not allow_empty:
             _check_nonempty(remembered, exts)
         return remembered
+    split.announce(together, listing=True)
     listed = list_folder(
         url,
         storage_options=storage_options,
@@ -439,5 +430,6 @@ def load_or_list(
         fetch_options=fetch_options,
         progress=progress,
         local_root=local_root,
+        together=together,
     )
     return remember_listing(listed, path) if remember else listed

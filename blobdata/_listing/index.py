@@ -23,9 +23,9 @@ from typing import Any, BinaryIO
 
 from .._errors import ConfigError
 from .._stores import listed_size
+from .._tables import format_of, open_bytes, place, read_bytes, rows
 from .._url import parse_url
 from .samples import Member, relative_key, same_member, split_key
-from .tables import format_of, open_bytes, place, read_bytes, rows
 
 __all__ = ["read_index"]
 

@@ -38,8 +38,8 @@ import numpy.typing as npt
 
 from .._config import cache_home
 from .._errors import ManifestError
-from .mapping import Buffer, is_verified, mark_verified, read_source, write_atomic
-from .packed import pack, unpack
+from .mapping import Buffer, is_verified, mark_verified, read_source, write_streamed
+from .packed import pack, unpack, write_packed
 
 __all__ = ["FORMAT_VERSION", "Manifest", "load_own", "manifest_path"]
 
@@ -109,6 +109,7 @@ class Manifest:
         "_ids",
         "_key_offsets",
         "_keys",
+        "_path",
         "_url_prefix",
         "classes",
         "listed_at",
@@ -133,6 +134,7 @@ class Manifest:
         listed_at: float,
         skipped: Sequence[str] = (),
         params: Mapping[str, Any] | None = None,
+        _checked: bool = False,
     ) -> None:
         self.root = root
         self.classes = list(classes)
@@ -146,7 +148,8 @@ class Manifest:
         self.skipped = list(skipped)
         self.params = dict(params or {})
         self._url_prefix = root + "/"
-        problem = self._check()
+        self._path: str | None = None  # the local file it is mapped from, if it is
+        problem = self._check(whole=not _checked)
         if problem:
             raise ManifestError(f"inconsistent manifest for {root}: {problem}", url=root)
 
@@ -220,8 +223,9 @@ class Manifest:
             params=params,
         )
 
-    def _check(self) -> str | None:
-        """What is inconsistent in the arrays, or None."""
+    def _check(self, whole: bool = True) -> str | None:
+        """What is inconsistent in the arrays, or None. Without ``whole``, only what costs nothing per
+        sample (a file this node already checked: every array is not read again)."""
         n = len(self.sizes)
         if self.sizes.ndim != 1 or self.targets.shape != (n,):
             return f"sizes {self.sizes.shape} and targets {self.targets.shape} must be 1-d of equal length"
@@ -231,14 +235,16 @@ class Manifest:
         ):
             if offs.shape != (n + 1,):
                 return f"{name} offsets must have {n + 1} entries, has {offs.shape}"
-            if offs[0] != 0 or offs[-1] != len(buf) or (n and _decreases(offs)):
+            if offs[0] != 0 or offs[-1] != len(buf) or (whole and n and _decreases(offs)):
                 return f"{name} offsets do not describe the {len(buf)}-byte buffer"
+        if list(self.classes) != sorted(set(self.classes)):
+            return "classes are not sorted and unique"
+        if not whole:
+            return None
         if n and (int(self.targets.min()) < 0 or int(self.targets.max()) >= len(self.classes)):
             return f"targets outside 0..{len(self.classes) - 1}"
         if n and int(self.sizes.min()) < 0:
             return "negative object size"
-        if list(self.classes) != sorted(set(self.classes)):
-            return "classes are not sorted and unique"
         return None
 
     # -- access ---------------------------------------------------------------------------
@@ -319,9 +325,8 @@ class Manifest:
 
     # -- storage --------------------------------------------------------------------------
 
-    def to_bytes(self) -> bytes:
-        """The on-disk form (see the module docstring and :mod:`blobdata._listing.packed`)."""
-        header = {
+    def _header(self) -> dict[str, Any]:
+        return {
             "format": FORMAT_VERSION,
             "root": self.root,
             "classes": self.classes,
@@ -330,20 +335,28 @@ class Manifest:
             "skipped": self.skipped,
             "params": self.params,
         }
-        return pack(_MAGIC, FORMAT_VERSION, header, self._arrays(), _ARRAYS)
+
+    def to_bytes(self) -> bytes:
+        """The on-disk form (see the module docstring and :mod:`blobdata._listing.packed`)."""
+        return pack(_MAGIC, FORMAT_VERSION, self._header(), self._arrays(), _ARRAYS)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically: a 0600 temp file in the same directory, fsync, then ``os.replace``.
+        """Write atomically: a 0600 temp file in the same directory, fsync, then ``os.replace``; the
+        arrays are written one after the other, never copied into one image of the file.
 
         Missing parent directories are created with mode 0700.
         """
-        write_atomic(Path(path), self.to_bytes())
+        header = self._header()
+        write_streamed(
+            Path(path), lambda fh: write_packed(fh, _MAGIC, FORMAT_VERSION, header, self._arrays(), _ARRAYS)
+        )
 
     @classmethod
     def from_bytes(cls, data: Buffer, *, source: str = "<bytes>", verified: bool = False) -> Manifest:
         """Parse the on-disk form (bytes, or a mapped file: the arrays are views of it); raise
-        ManifestError naming ``source`` and what is wrong. ``verified``: the checksum already passed
-        on this node (see :mod:`blobdata._listing.mapping`), so it is not computed again."""
+        ManifestError naming ``source`` and what is wrong. ``verified``: the checksum and the arrays'
+        checks already passed on this node (see :mod:`blobdata._listing.mapping`), so neither reads
+        the arrays again."""
 
         def bad(what: str) -> ManifestError:
             return ManifestError(
@@ -384,6 +397,7 @@ class Manifest:
                 listed_at=listed_at,
                 skipped=[str(s) for s in header.get("skipped") or []],
                 params=header.get("params") if isinstance(header.get("params"), dict) else None,
+                _checked=verified,
             )
         except ManifestError as exc:
             raise bad(exc.message.split(": ", 1)[-1]) from None
@@ -412,6 +426,8 @@ class Manifest:
         manifest = cls.from_bytes(data, source=source, verified=known)
         if not known:
             mark_verified(mark)
+        if mark is not None:  # mapped from a local file
+            manifest._path = source
         if expect_root is not None and manifest.root != expect_root:
             raise ManifestError(
                 f"manifest {source} lists {manifest.root}, not {expect_root}: pass the manifest made for "

@@ -19,6 +19,10 @@ marker costs one ``stat``; and the CRC protects against files damaged on their w
 copy, a partial download), not against pages changing later under an unchanged identity. A file
 replaced or modified has a new identity, so it is verified again; the markers live in memory, so a
 reboot forgets them with the page cache. Without a usable private directory every load verifies.
+The marker stands for the manifest's checks of its arrays too (offsets that never decrease, targets
+and sizes in range): a marked file is mapped without reading any array, so a process touches only the
+pages of the samples it uses. A process that writes a manifest (:func:`write_streamed`) sums every
+byte as it writes it, from arrays it checked, and leaves the marker itself.
 """
 
 from __future__ import annotations
@@ -28,9 +32,9 @@ import hashlib
 import mmap
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .._errors import ManifestError, NotFound
 from .._url import parse_url
@@ -43,6 +47,7 @@ __all__ = [
     "publish",
     "read_source",
     "write_atomic",
+    "write_streamed",
 ]
 
 Buffer = bytes | mmap.mmap
@@ -200,6 +205,27 @@ def write_atomic(target: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_streamed(target: Path, write: Callable[[BinaryIO], int]) -> None:
+    """:func:`write_atomic` for a file ``write(fh)`` writes a part at a time (a manifest's arrays) and
+    whose declared CRC it returns: the file is never whole in memory. The file is then marked verified
+    on this node (its writer summed every byte it wrote), so the first load does not read it all again."""
+    makedirs_private(target.parent)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix="." + target.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w+b") as fh:
+            crc = write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, target)
+            st = os.fstat(fh.fileno())  # this file's identity, whatever the path names meanwhile
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    mark_verified(_mark_name(st, crc))
 
 
 def publish(path: Path, data: bytes) -> None:

@@ -3,7 +3,7 @@
 ``file_name`` names the sample's main object (relative to the dataset's URL); ``<name>_file_name``
 another object, member ``<name>``; ``file_names`` and ``<name>_file_names`` lists of objects, members
 ``files`` and ``<name>`` (lists). Every other column is a field of the sample (typed as Hugging Face
-types it: :mod:`blobdata._listing.columns`). The sample's key is the main object's by webdataset's rule
+types it: :mod:`blobdata._tables.columns`). The sample's key is the main object's by webdataset's rule
 (in a row of ``file_names`` only, the first object's), and its member is named as in a folder
 (``x.JPG``: ``"jpg"``), so a transform reads the same dict whether or not a metadata file is there. A
 bad row, an object outside the dataset's URL and two rows for one key are errors naming the file and
@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._errors import ConfigError, NotFound
+from .._tables import format_of, place, read_bytes, resolve, rows
 from .samples import Member, relative_key, split_key
-from .tables import format_of, place, read_bytes, resolve, rows
 
 __all__ = ["find_metadata", "samples_from_metadata"]
 

@@ -10,14 +10,14 @@ import json
 import struct
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import numpy.typing as npt
 
 from .mapping import Buffer
 
-__all__ = ["PREAMBLE", "pack", "unpack"]
+__all__ = ["PREAMBLE", "pack", "unpack", "write_packed"]
 
 PREAMBLE = struct.Struct("<8sIQI")
 ALIGN = 64
@@ -48,6 +48,41 @@ def pack(
     crc = zlib.crc32(memoryview(out)[PREAMBLE.size :])
     PREAMBLE.pack_into(out, 0, magic, version, len(head), crc)
     return bytes(out)
+
+
+_WRITE_BYTES = 8 << 20  # written (and summed) at a time
+
+
+def write_packed(
+    fh: BinaryIO, magic: bytes, version: int, header: Mapping[str, Any],
+    arrays: Mapping[str, npt.NDArray[Any]], dtypes: Mapping[str, str],
+) -> int:  # fmt: skip
+    """:func:`pack`'s bytes written to ``fh`` (at its start, seekable) array by array, never whole in
+    memory; returns the CRC-32 it declares."""
+    flat = {name: np.ascontiguousarray(a, dtype=dtypes[name]) for name, a in arrays.items()}
+    layout: dict[str, dict[str, Any]] = {}
+    pos = 0
+    for name, a in flat.items():
+        layout[name] = {"dtype": dtypes[name], "offset": pos, "nbytes": int(a.nbytes)}
+        pos += _aligned(a.nbytes)
+    head = json.dumps({**header, "arrays": layout}, ensure_ascii=True).encode("ascii")
+    start = _aligned(PREAMBLE.size + len(head))
+    fh.write(bytes(PREAMBLE.size))
+    first = head + bytes(start - PREAMBLE.size - len(head))
+    fh.write(first)
+    crc = zlib.crc32(first)
+    for a in flat.values():
+        view = a.data.cast("B") if a.nbytes else memoryview(b"")
+        for lo in range(0, len(view), _WRITE_BYTES):
+            chunk = view[lo : lo + _WRITE_BYTES]
+            fh.write(chunk)
+            crc = zlib.crc32(chunk, crc)
+        pad = bytes(_aligned(a.nbytes) - a.nbytes)
+        fh.write(pad)
+        crc = zlib.crc32(pad, crc)
+    fh.seek(0)
+    fh.write(PREAMBLE.pack(magic, version, len(head), crc))
+    return crc
 
 
 def unpack(

@@ -39,6 +39,7 @@ from .shares import (
     node_share,
     rank_indices,
     rank_stream,
+    this_nodes_share,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ __all__ = [
     "sample_key",
     "sample_rng",
     "source_key",
+    "this_nodes_share",
     "uniforms",
 ]
 

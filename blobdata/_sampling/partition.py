@@ -99,6 +99,15 @@ class PartitionedSampler(DistributedSampler[int]):
             raise ConfigError(f"PartitionedSampler: {exc}") from None
         if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0.0 <= mix <= 1.0:
             raise ConfigError(f"PartitionedSampler: mix must be a fraction in [0, 1], got {mix!r}")
+        kept = getattr(dataset, "node_share", None)  # FolderDataset(node_share=...): one node's samples
+        want = {"seed": seed, "nnodes": nnodes, "node": me // per_node}
+        if isinstance(kept, dict) and (mix or any(kept.get(k) != v for k, v in want.items())):
+            raise ConfigError(
+                f"PartitionedSampler: the dataset keeps only the share of node {kept.get('node')} of "
+                f"{kept.get('nnodes')} for seed {kept.get('seed')} (node_share=), and this sampler reads "
+                f"node {want['node']} of {nnodes} for seed {seed} with mix={mix}: make them alike (mix=0), "
+                "or make the dataset without node_share"
+            )
         super().__init__(
             dataset, num_replicas=world, rank=me, shuffle=shuffle, seed=seed, drop_last=drop_last
         )

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,7 @@ __all__ = [
     "node_share",
     "rank_indices",
     "rank_stream",
+    "this_nodes_share",
 ]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -84,6 +86,24 @@ def node_share(n: int, *, seed: int, nnodes: int, node: int) -> np.ndarray:
     """The samples node ``node`` of ``nnodes`` holds every epoch (without ``mix``), in index order."""
     lo, hi = node * n // nnodes, (node + 1) * n // nnodes
     return np.sort(permute(np.arange(lo, hi, dtype=np.int64), n, _share_keys(seed)))
+
+
+def this_nodes_share(manifest: Any, options: Mapping[str, Any]) -> Any:
+    """This node's share of ``manifest`` (a :class:`~blobdata._listing.ShareManifest`): the samples a
+    ``PartitionedSampler`` of ``options["seed"]`` (default 0) gives this node of the job, cut from the
+    manifest's file (or copied from memory): ``FolderDataset(node_share=...)``."""
+    from .._listing import cut_share, dist_info, share_in_memory
+
+    unknown = set(options) - {"seed"}
+    if unknown:
+        raise ConfigError(f"node_share takes True or {{'seed': s}}, not the settings {sorted(unknown)}")
+    seed = int(options.get("seed", 0))
+    info = dist_info()
+    spec = {"seed": seed, "nnodes": info.nnodes, "node": info.node_rank}
+    rows = node_share(len(manifest), seed=seed, nnodes=info.nnodes, node=info.node_rank)
+    if manifest._path is not None:  # mapped from a file this node checked: cut, never mapped whole
+        return cut_share(manifest._path, rows, spec, verified=lambda: True)
+    return share_in_memory(manifest, rows, spec)
 
 
 def canonical_nodes(k: int | None, nnodes: int) -> int:

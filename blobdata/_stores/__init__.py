@@ -3,15 +3,17 @@
 ================  ======================================  ===========================================
 store             reader (one object, one attempt)        lister (what lies below a folder)
 ================  ======================================  ===========================================
-``s3://``         :class:`.s3.S3Reader` (SigV4 over h1)   :class:`.s3_listing.S3LeanLister` (or s3fs)
+``s3://``         :class:`.s3.S3Reader` (SigV4 over h1)   :class:`.s3.S3LeanLister` (or s3fs)
 ``gs://``         :class:`.gcs.GCSReader` (aiohttp)       :class:`.gcs.GCSLister` (objects.list, aiohttp)
 ``az://``         :class:`.azure.AzureReader` (SDK)       adlfs through :class:`.fsspec.AsyncFsLister`
 local, file://    :class:`.local.LocalReader`             :class:`.local.LocalLister` (as torchvision)
 ``memory://``     :class:`.fsspec.FsspecReader`           :class:`.fsspec.MemoryLister`
 ================  ======================================  ===========================================
 
-Beside them: :mod:`.s3_ranges` lists one S3 or GCS prefix in parallel (ranges of its key space),
-:mod:`.node_credentials` resolves refreshable AWS credentials once per node, and each store module's
+S3 is a package of its own (:mod:`.s3`: the reader, SigV4, node credentials, the listing, its ranges
+and its pages). Beside the readers: :mod:`.s3.ranges` lists one S3 or GCS prefix in parallel (ranges of
+its key space), :mod:`.s3.credentials` resolves refreshable AWS credentials once per node, and each
+store module's
 ``STORE`` (a :class:`~.base.StoreInfo`) holds its facts: the environment it reads, what names its
 listings and its throttle controller, what to check when it refuses credentials.
 
@@ -26,19 +28,39 @@ from typing import Any
 from .._config import FetchOptions
 from .._url import BlobURL
 from . import local
-from .base import Entry, Lister, Reader, ReadResult, StoreInfo, list_requests, listed_size
+from .base import (
+    Columns,
+    Entry,
+    Growing,
+    Lister,
+    Reader,
+    ReadResult,
+    StoreInfo,
+    gather,
+    list_requests,
+    listed_size,
+)
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
 from .local import network_mount
 from .local import read_file as read_local_file
 from .options import options_token, redact
+from .s3 import Board, LocalBoard, Part, RangeInfo, consistent
 
 __all__ = [
+    "Board",
+    "Columns",
     "Entry",
+    "Growing",
     "Lister",
+    "LocalBoard",
+    "Part",
+    "RangeInfo",
     "ReadResult",
     "Reader",
     "StoreInfo",
+    "consistent",
     "credential_hint",
+    "gather",
     "get_fs",
     "identity_from_info",
     "list_requests",
@@ -111,7 +133,7 @@ def reader_for(protocol: str, storage_options: Mapping[str, Any], *, concurrency
 
 def _identity_rule(protocol: str) -> Callable[[Mapping[str, Any]], str]:
     if protocol == "s3":
-        from .s3_listing import identity
+        from .s3 import identity
 
         return identity
     if protocol in ("gs", "gcs"):
@@ -141,7 +163,7 @@ def lister_for(url: BlobURL, storage_options: Mapping[str, Any], options: FetchO
     if url.protocol == "file":
         return local.LocalLister(url)
     if url.protocol == "s3":
-        from .s3_listing import S3LeanLister, lean_s3
+        from .s3 import S3LeanLister, lean_s3
 
         if lean_s3(storage_options):
             return S3LeanLister(url, storage_options, options)
@@ -153,7 +175,7 @@ def lister_for(url: BlobURL, storage_options: Mapping[str, Any], options: FetchO
     if url.protocol == "memory":
         return MemoryLister(url, fs)
     if url.protocol == "s3":
-        from .s3_listing import S3fsLister
+        from .s3 import S3fsLister
 
         return S3fsLister(url, fs, options)
     return AsyncFsLister(url, fs, identity=_identity_rule(url.protocol), options=options, store=url.protocol)

@@ -25,7 +25,7 @@ from .._errors import AccessDenied, ConfigError, translate
 from .._loop import get_loop
 from .._retry import with_retries
 from .._url import BlobURL, printable
-from .base import Entry, ReadResult, count_list, listed_size
+from .base import Columns, ReadResult, count_list, listed_size
 from .options import options_token
 
 __all__ = ["AsyncFsLister", "FsspecReader", "MemoryLister", "bounded", "get_fs", "memory_identity"]
@@ -195,7 +195,7 @@ class AsyncFsLister:
         self.root_files = [self._rel(e["name"]) for e in entries if e.get("type") != "directory"]
         return names, bool(entries)
 
-    async def below(self, folder: str) -> list[Entry]:
+    async def below(self, folder: str) -> Columns:
         path = f"{self.base}/{folder}"
         self.fs.invalidate_cache(path)
         count_list()
@@ -210,10 +210,10 @@ class AsyncFsLister:
                            "a proxy answered for another prefix", self.url, len(outside),
                            printable(", ".join(outside[:5])))  # fmt: skip
         scheme = self.url.protocol
-        return [
+        return Columns.from_entries(
             (self._rel(n), listed_size(i.get("size") or 0, f"{scheme}://{n}"), self.identity(i))
             for n, i in inside.items()
-        ]
+        )
 
     async def aclose(self) -> None:
         """Nothing to do: the client is shared through :func:`get_fs`."""
@@ -233,10 +233,11 @@ class MemoryLister:
         cut = len(self.url.fs_path.rstrip("/")) + 1
         return [e["name"][cut:] for e in entries if e["type"] == "directory"], bool(entries)
 
-    async def below(self, folder: str) -> list[Entry]:
+    async def below(self, folder: str) -> Columns:
         base = self.url.fs_path.rstrip("/")
         found = self.fs.find(f"{base}/{folder}", detail=True, withdirs=False)
-        return [(n[len(base) + 1 :], int(i["size"]), memory_identity(i)) for n, i in found.items()]
+        return Columns.from_entries((n[len(base) + 1 :], int(i["size"]), memory_identity(i))
+                                    for n, i in found.items())  # fmt: skip
 
     async def aclose(self) -> None:
         """Nothing to do: the client is shared through :func:`get_fs`."""

@@ -27,11 +27,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
 import aiohttp
+import numpy as np
 import yarl
 
 from .. import _process
@@ -46,12 +48,12 @@ from .._errors import (
     from_status,
 )
 from .._url import BlobURL
-from .base import ReadResult, StoreInfo, listed_size
+from .base import MAX_LISTED_SIZE, Columns, ReadResult, StoreInfo, join_bytes, listed_size
 from .fsspec import get_fs
 from .http import ProcessBound, check_content_range, grown, lean_session, read_capped
 from .network import proxy_url, redact_url
-from .s3_listing import PagedLister
-from .s3xml import ListPage
+from .s3 import ListPage
+from .s3.listing import PagedLister
 
 __all__ = ["GCSLister", "GCSReader", "identity"]
 
@@ -303,20 +305,35 @@ class GCSReader:
         return str(generation) if generation is not None else None
 
 
+_SIZES = re.compile(r"(?:[0-9]{1,16}\n)*[0-9]{1,16}")
+
+
 def _parse_page(body: bytes, url: str, bucket: str) -> ListPage:
-    """One objects.list response as a :class:`ListPage` (a retryable error when it is not one)."""
+    """One objects.list response as a :class:`ListPage` of columns (a retryable error when it is not
+    one). The JSON is read by :func:`json.loads` (in C); its items live as long as the page does, and
+    only their names, sizes and generations go on, in arrays."""
     try:
         doc = json.loads(body)
         items = doc.get("items") or []
         prefixes = [str(p) for p in doc.get("prefixes") or []]
         token = doc.get("nextPageToken")
-        keys = [str(i["name"]) for i in items]
-        sizes = [listed_size(i.get("size") or 0, f"gs://{bucket}/{i['name']}") for i in items]
-        ids = [identity(i) for i in items]
+        names = [str(i["name"]) for i in items]
+        raw = [i.get("size") or 0 for i in items]
+        ids = [str(g) if (g := i.get("generation")) is not None else str(i.get("etag") or "") for i in items]
     except (ValueError, AttributeError, KeyError, TypeError):
         raise TransientError("server", f"{url}: the store sent a listing that is not objects.list JSON") \
             from None
-    return ListPage(keys, sizes, ids, prefixes, str(token) if token else None)
+    sizes = None
+    if all(type(v) is str for v in raw) and _SIZES.fullmatch("\n".join(map(str, raw)) if raw else "0"):
+        sizes = np.fromiter(map(int, raw), dtype=np.int64, count=len(raw))
+        if len(sizes) and int(sizes.max()) > MAX_LISTED_SIZE:
+            sizes = None
+    if sizes is None:  # numbers, or something that is not a size: the error names the object
+        sizes = np.array([listed_size(v, f"gs://{bucket}/{n}") for v, n in zip(raw, names, strict=True)],
+                         dtype=np.int64)  # fmt: skip
+    kb, ko = join_bytes([n.encode("utf-8", "surrogatepass") for n in names])
+    ib, io = join_bytes([i.encode("utf-8", "surrogatepass") for i in ids])
+    return ListPage(Columns(kb, ko, sizes, ib, io), prefixes, str(token) if token else None)
 
 
 def _tls_error(url: str, location: str, exc: aiohttp.ClientSSLError) -> FetchError:
@@ -363,8 +380,8 @@ STORE = StoreInfo(
 
 class GCSLister(PagedLister):
     """objects.list pages on blobdata's own session (:class:`GCSReader`), checked as S3's are
-    (:class:`~blobdata._stores.s3_listing.PagedLister`); a prefix of more than two pages is listed in
-    key ranges at once (:mod:`.s3_ranges`), each range from ``startOffset``.
+    (:class:`~blobdata._stores.s3.PagedLister`); a prefix of more than two pages is listed in
+    key ranges at once (:mod:`.s3.ranges`), each range from ``startOffset``.
 
     ``startOffset`` is inclusive: a range after key ``k`` starts at ``k + "\\x00"``, the first name
     after ``k``. ``endOffset`` is deliberately not sent: a range reads on to the first name past its end,
@@ -384,16 +401,18 @@ class GCSLister(PagedLister):
     async def _request(
         self, prefix: str, delimiter: str | None, token: str | None, start_after: str | None, timeout: float
     ) -> ListPage:
-        from . import s3_listing
+        from .s3 import listing
 
         start = start_after + "\x00" if start_after is not None and token is None else None
         page = await self.reader.list_page(self.url.bucket, prefix, delimiter=delimiter, token=token,
                                            start_offset=start, timeout=timeout,
-                                           max_keys=s3_listing._PAGE_KEYS)  # fmt: skip
-        if any(k.endswith("/") for k in page.keys):  # folder placeholders: not objects (as gcsfs lists)
-            keep = [i for i, k in enumerate(page.keys) if not k.endswith("/")]
-            page = ListPage([page.keys[i] for i in keep], [page.sizes[i] for i in keep],
-                            [page.etags[i] for i in keep], page.common_prefixes, page.next_token)  # fmt: skip
+                                           max_keys=listing._PAGE_KEYS)  # fmt: skip
+        objects = page.objects
+        ends = objects.key_offsets[1:]
+        placeholder = (ends > objects.key_offsets[:-1]) & (objects.keys[np.maximum(ends - 1, 0)] == 47) \
+            if len(objects.keys) else np.zeros(len(objects), dtype=bool)  # fmt: skip
+        if bool(placeholder.any()):  # folder placeholders ("a/"): not objects (as gcsfs lists)
+            page = page._replace(objects=objects.take(~placeholder))
         return page
 
     async def aclose(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 from .._errors import AccessDenied, BlobdataError, FetchError, NotFound, ObjectChanged
 from .._url import BlobURL
-from .base import Entry, ReadResult
+from .base import Columns, Entry, ReadResult
 
 __all__ = ["LocalLister", "LocalReader", "identity", "network_mount", "read_file"]
 
@@ -189,10 +189,10 @@ class LocalLister:
         except (FileNotFoundError, NotADirectoryError):
             return [], False
 
-    async def below(self, folder: str) -> list[Entry]:
+    async def below(self, folder: str) -> Columns:
         root = self.url.prefix
 
-        def walk() -> list[Entry]:
+        def walk() -> Columns:
             out: list[Entry] = []
             cut = len(root.rstrip("/")) + 1
             for dirpath, _dirs, fnames in os.walk(os.path.join(root, folder), followlinks=True):
@@ -203,7 +203,7 @@ class LocalLister:
                     except OSError:
                         continue  # dangling symlink or vanished file: torchvision would fail later
                     out.append((path[cut:], st.st_size, f"{st.st_mtime_ns}-{st.st_size}"))
-            return out
+            return Columns.from_entries(out)
 
         return await asyncio.to_thread(walk)
 

@@ -19,6 +19,7 @@ from torch.utils.data.distributed import DistributedSampler
 from blobdata import FolderDataset
 from blobdata._fetch import PlanChannel
 from blobdata.transforms import RandomResizedCrop
+from tests.support.announce import wait_announced
 
 N = 40
 
@@ -54,12 +55,19 @@ def jpegs(tmp_path: Path) -> Path:
 
 
 def _epochs(loader: Any, epochs: list[int] | int, sampler: Any = None) -> tuple[list[Any], list[int]]:
-    """Every batch of each epoch (as nested lists), and the batches built ahead in each."""
+    """Every batch of each epoch (as nested lists), and the batches built ahead in each. Where the next
+    epoch is announced (across epochs), each epoch's first batch waits for that: a loaded machine could
+    delay it past a short epoch's end, and then nothing is built ahead."""
     out, built, before = [], [], 0
     for epoch in epochs if isinstance(epochs, list) else range(epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        out.append([_plain(batch) for batch in loader])
+        batches = []
+        for k, batch in enumerate(loader):
+            if k == 0 and loader._planner.across_epochs:
+                wait_announced(loader)
+            batches.append(_plain(batch))
+        out.append(batches)
         now = loader.stats().batches_built_ahead
         built.append(now - before)
         before = now

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from blobdata import ConfigError
 from blobdata._listing import Member, SampleTable
-from blobdata._listing.tables import rows
+from blobdata._tables import rows
 
 pd = pytest.importorskip("pandas")
 pa = pytest.importorskip("pyarrow")

@@ -462,7 +462,7 @@ def _both_listers(url: str, storage_options: dict[str, Any]) -> list[Any]:
     from blobdata._loop import run
     from blobdata._stores import resolve_storage_options
     from blobdata._stores.fsspec import get_fs
-    from blobdata._stores.s3_listing import S3fsLister, S3LeanLister
+    from blobdata._stores.s3.listing import S3fsLister, S3LeanLister
     from blobdata._url import parse_url
 
     parsed = parse_url(url)
@@ -533,8 +533,8 @@ def test_lean_lister_errors_match_s3fs(s3_bucket: Any) -> None:
 def test_lean_s3_path_only_for_what_it_supports() -> None:
     from blobdata._config import FetchOptions
     from blobdata._stores import lister_for
-    from blobdata._stores.s3_listing import S3fsLister, S3LeanLister
-    from blobdata._stores.s3_listing import lean_s3 as _lean_s3
+    from blobdata._stores.s3.listing import S3fsLister, S3LeanLister
+    from blobdata._stores.s3.listing import lean_s3 as _lean_s3
     from blobdata._url import parse_url
 
     url = parse_url("s3://bucket/train")

@@ -59,7 +59,7 @@ def test_the_checksum_is_verified_once_per_file_and_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "m.manifest"
-    _manifest(500).save(path)
+    path.write_bytes(_manifest(500).to_bytes())  # a file this node did not write (copied in)
     calls: list[int] = []
     crc32 = zlib.crc32
 
@@ -83,6 +83,13 @@ def test_the_checksum_is_verified_once_per_file_and_node(
     copy.write_bytes(path.read_bytes())
     Manifest.load(copy)
     assert len(calls) == 2
+    # A manifest saved on this node is marked by its writer, which summed every byte it wrote: no load
+    # reads it whole again (save() sums as it writes: those calls are its own).
+    saved = tmp_path / "saved.manifest"
+    _manifest(500).save(saved)
+    written = len(calls)
+    Manifest.load(saved)
+    assert len(calls) == written
 
 
 def test_a_file_changed_in_place_is_verified_again(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from blobdata._listing import Manifest, load_or_list, manifest_path
-from blobdata._listing.folders import load_remembered
+from blobdata._listing.remembered import load_remembered
 from tests.support.other_user import OTHER_UID, as_other_user, shared_place
 
 ROOT = "s3://bucket/train"

@@ -19,7 +19,7 @@ from blobdata import ConfigError, ObjectChanged
 from blobdata._config import FetchOptions
 from blobdata._fetch import FetchEngine, RangedFile
 from blobdata._listing.index import read_index
-from blobdata._listing.tables import rows
+from blobdata._tables import rows
 
 MiB = 1 << 20
 

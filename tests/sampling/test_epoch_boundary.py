@@ -5,7 +5,6 @@ costs fetches, never a wrong batch."""
 from __future__ import annotations
 
 import itertools
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from blobdata import ElasticDistributedSampler, FolderDataset, PartitionedSampler
 from blobdata._fetch import PlanChannel
 from blobdata._sampling import NextEpoch
+from tests.support.announce import wait_announced
 
 N = 48
 
@@ -39,28 +39,13 @@ def folder(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _announced(loader: Any) -> None:
-    """Until the epoch begun has the next one's order announced (a thread predicts it as the epoch
-    begins). Called at an epoch's first batch: the workers run at most the prefetch ahead of the loop,
-    so their look-ahead then reaches the epoch's end after the announcement, whatever the machine's
-    load (which could otherwise delay the prediction past a short epoch's end)."""
-    channel = PlanChannel(loader.channel.path)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        plan = channel.current(reload=True)
-        if plan is not None and channel.next_of(plan) is not None:
-            return
-        time.sleep(0.005)
-    raise AssertionError("the next epoch's order was never announced")
-
-
 def _staged_per_epoch(loader: Any, epochs: int, wait: bool = True) -> tuple[list[int], list[list[int]]]:
     staged, orders, before = [], [], 0
     for _ in range(epochs):
         order: list[int] = []
         for k, (batch, _) in enumerate(loader):
             if k == 0 and wait:
-                _announced(loader)
+                wait_announced(loader)
             order.extend(int(s) for s in batch)
         orders.append(order)
         now = loader.stats().samples_staged

@@ -143,10 +143,10 @@ def _env_s3(monkeypatch: pytest.MonkeyPatch, server: Any, tmp_path: Path) -> Non
 def test_pickled_dataset_has_no_env_secret_s3(
     s3_server: Any, s3_bucket: TestBucket, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import blobdata._stores.sigv4
+    import blobdata._stores.s3.sigv4
 
     _env_s3(monkeypatch, s3_server, tmp_path)
-    monkeypatch.setattr(blobdata._stores.sigv4, "chains", {})  # resolve the environment's chain afresh
+    monkeypatch.setattr(blobdata._stores.s3.sigv4, "chains", {})  # resolve the environment's chain afresh
     s3_bucket.put("ds/cls/a.png", b"abc")
     ds = FolderDataset(s3_bucket.url("ds"), loader=lambda f: f.read(), lookahead=0)
     assert ds[0][0] == b"abc"  # the per-process engine exists and has used the credentials

@@ -17,8 +17,9 @@ import pytest
 
 from blobdata import AccessDenied, FetchOptions
 from blobdata._loop import run
-from blobdata._stores import lister_for, node_credentials, sigv4
-from blobdata._stores.s3 import S3Reader
+from blobdata._stores import lister_for
+from blobdata._stores.s3 import S3Reader, sigv4
+from blobdata._stores.s3 import credentials as node_credentials
 from blobdata._url import parse_url
 from blobdata.testing import LocalS3Server, s3_client
 from tests.support.expiring_proxy import ExpiringProxy

@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-import blobdata._stores.s3_listing as s3_listing
+import blobdata._stores.s3.listing as s3_listing
 from blobdata import FetchOptions
 from blobdata._loop import run
 from blobdata._stores import lister_for
-from blobdata._stores import s3_ranges as ranges_mod
 from blobdata._stores.gcs import GCSLister, GCSReader
+from blobdata._stores.s3 import ranges as ranges_mod
 from blobdata._url import parse_url
 from blobdata.testing import LocalGCSEmulator
 from tests.support import buckets

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from blobdata._stores import node_credentials
+from blobdata._stores.s3 import credentials as node_credentials
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ print(json.dumps(doc))
 
 _CHILD = """
 import json, sys
-from blobdata._stores.sigv4 import resolve_chain
+from blobdata._stores.s3.sigv4 import resolve_chain
 f = resolve_chain(sys.argv[1] or None).get_frozen_credentials()
 print(json.dumps([f.access_key, f.secret_key, f.token]))
 """

@@ -1,4 +1,5 @@
-"""The lean S3 GET path (blobdata._stores.s3): SigV4 parity with botocore, keys, errors, identity pinning."""
+"""The lean S3 GET path (blobdata._stores.s3.reader): SigV4 parity with botocore, keys, errors, identity
+pinning."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from blobdata._config import FetchOptions
 from blobdata._errors import AccessDenied, BlobdataError, FetchError, NotFound, ObjectChanged, Throttled
 from blobdata._retry import with_retries
 from blobdata._stores.http import ProcessBound
-from blobdata._stores.s3 import S3ErrorResponse, S3Reader, split_identity
-from blobdata._stores.s3xml import ListPage, list_query, parse_list_page
-from blobdata._stores.sigv4 import EMPTY_SHA256, Credentials, SigV4Signer, quote_key
+from blobdata._stores.s3.reader import S3ErrorResponse, S3Reader, split_identity
+from blobdata._stores.s3.sigv4 import EMPTY_SHA256, Credentials, SigV4Signer, quote_key
+from blobdata._stores.s3.xml import ListPage, list_query, parse_list_page
 from tests.support import wait_child
 
 TRICKY_KEYS = [
@@ -415,6 +416,10 @@ def _page(body: str, url: str = "s3://b/p/") -> ListPage:
     return parse_list_page(body.encode(), url)
 
 
+def _fields(page: ListPage) -> tuple[Any, ...]:
+    return page.keys, page.sizes, page.etags, page.common_prefixes, page.next_token
+
+
 def test_parse_list_page_encoded_plain_and_malformed() -> None:
     ns = ' xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
     entry = "<Contents><Key>{}</Key><ETag>&quot;e1&quot;</ETag><Size>{}</Size></Contents>"
@@ -426,11 +431,11 @@ def test_parse_list_page_encoded_plain_and_malformed() -> None:
         + "</ListBucketResult>"
     )
     page = _page(encoded)
-    assert page == ListPage(["p/a b+c\x01ü"], [3], ["e1"], ["p/x y+/"], "tok en+1")
+    assert _fields(page) == (["p/a b+c\x01ü"], [3], ["e1"], ["p/x y+/"], "tok en+1")
     # A server that ignores encoding-type=url (no EncodingType, no namespace): keys verbatim.
     plain = "<ListBucketResult><IsTruncated>false</IsTruncated>" + entry.format("p/a+b%2B", 5)
     plain += "<NextContinuationToken>ignored</NextContinuationToken></ListBucketResult>"
-    assert _page(plain) == ListPage(["p/a+b%2B"], [5], ["e1"], [], None)
+    assert _fields(_page(plain)) == (["p/a+b%2B"], [5], ["e1"], [], None)
     for bad, why in (
         ("not xml", "invalid XML"),
         ("<Error><Code>x</Code></Error>", "root element"),

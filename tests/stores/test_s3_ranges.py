@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-import blobdata._stores.s3_listing as s3_listing
+import blobdata._stores.s3.listing as s3_listing
 from blobdata import FetchOptions
 from blobdata._loop import run
 from blobdata._stores import lister_for
-from blobdata._stores import s3_ranges as ranges_mod
+from blobdata._stores.s3 import ranges as ranges_mod
 from blobdata._url import parse_url
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]

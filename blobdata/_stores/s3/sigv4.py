@@ -14,8 +14,8 @@ import time
 from typing import Any, NamedTuple
 from urllib.parse import quote
 
-from .. import _process
-from .node_credentials import chain_key
+from ... import _process
+from .credentials import chain_key
 
 __all__ = [
     "EMPTY_SHA256",
@@ -178,17 +178,17 @@ def resolve_chain(profile: str | None, key: str | None = None) -> Any:
     """botocore's chain for ``profile``, resolved at most once per process and chain ``key`` (default:
     :func:`chain_key` now; requests that start together wait here, in threads, for the first resolution
     instead of each asking IMDS/SSO) and, for refreshable credentials, once per node
-    (:mod:`.node_credentials`)."""
+    (:mod:`.credentials`)."""
     import botocore.session
 
-    from .node_credentials import node_chain
+    from .credentials import node_chain
 
     key = chain_key(profile) if key is None else key
     cache_key = (_process.pid(), profile, key)
     with _chain_lock:
         if cache_key not in chains:
             session = botocore.session.Session(profile=profile) if profile else botocore.session.get_session()
-            # Once per node: the other processes read what the first resolved (node_credentials).
+            # Once per node: the other processes read what the first resolved (credentials.py).
             chains[cache_key] = node_chain(key, session.get_credentials)
         return chains[cache_key]
 
@@ -198,7 +198,7 @@ def refresh_chain(profile: str | None, key: str, stale: Credentials) -> Any:
     this process's resolution, and the node's shared copy when it still holds ``stale``, are forgotten
     first. Threads (or processes of the node) that saw the same refusal together resolve once: one that
     finds the chain already holding other credentials takes them. Blocking (run it in a thread)."""
-    from .node_credentials import forget
+    from .credentials import forget
 
     cache_key = (_process.pid(), profile, key)
     with _chain_lock:

@@ -27,7 +27,9 @@ and hands over its saved form (:mod:`blobdata._listing.tablefile`), by the same 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 import time
@@ -35,14 +37,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from .._config import cache_home, env, parse_duration
-from .._errors import BlobdataError, ConfigError, ManifestError
-from .._node import check_shared_dir, is_own, read_own, write_own
-from .._url import check_relkeys
-from .manifest import Manifest, load_own
-from .mapping import Buffer, publish, write_atomic
-from .samples import SampleTable
-from .tablefile import load_table, table_from_bytes, table_to_bytes
+from ..._config import cache_home, env, parse_duration
+from ..._errors import BlobdataError, ConfigError, ManifestError
+from ..._node import check_shared_dir, is_own, read_own, write_own
+from ..._url import check_relkeys
+from ..manifest import Manifest, load_own
+from ..mapping import Buffer, publish, write_atomic
+from ..samples import SampleTable
+from ..tablefile import load_table, table_from_bytes, table_to_bytes
+from .split import Job, file_job, group_job
 
 __all__ = ["DistInfo", "dist_info", "env_info", "shared_file", "shared_manifest", "shared_table"]
 
@@ -137,12 +140,22 @@ _TABLES: _Codec[SampleTable] = _Codec(
 )  # fmt: skip
 
 
-def shared_manifest(root: str, make: Callable[[], Manifest], *, key: str = "") -> Manifest:
+def shared_manifest(
+    root: str,
+    make: Callable[..., Manifest],
+    *,
+    key: str = "",
+    help: Callable[[Job], None] | None = None,
+    info: DistInfo | None = None,
+) -> Manifest:
     """``make()`` on global rank 0; every other rank gets rank 0's manifest (see the module docstring).
 
-    ``key`` names what is listed beyond the URL (listing parameters), for the shared file's name.
+    ``key`` names what is listed beyond the URL (listing parameters), for the shared file's name. With
+    ``help``, a listing is split across the job (:mod:`blobdata._listing.job.split`): rank 0 calls
+    ``make(together=job)``, every other rank ``help(job)`` (its part, when rank 0 lists). ``info``: this
+    process's place (default :func:`dist_info`; the command line's ``--nnodes/--node-rank``).
     """
-    return _shared(root, make, key, _MANIFESTS)
+    return _shared(root, make, key, _MANIFESTS, help, info)
 
 
 def shared_table(root: str, make: Callable[[], SampleTable], *, key: str = "") -> SampleTable:
@@ -152,10 +165,30 @@ def shared_table(root: str, make: Callable[[], SampleTable], *, key: str = "") -
     return _shared(root, make, "table|" + key, _TABLES)
 
 
-def _shared(root: str, make: Callable[[], T], key: str, codec: _Codec[T]) -> T:
-    info = dist_info()
+def _shared(
+    root: str,
+    make: Callable[..., T],
+    key: str,
+    codec: _Codec[T],
+    help: Callable[[Job], None] | None = None,
+    info: DistInfo | None = None,
+) -> T:
+    info = info or dist_info()
     if info.world_size == 1:
         return make()
+    if help is not None and not root.startswith(("file://", "memory://")):  # a local folder is each node's
+        per_node = info.local_world_size
+        if info.initialized:
+            job = group_job(root, key, per_node=per_node)
+        else:
+            job = file_job(root, key, rank=info.rank, world=info.world_size, label=_job(info.nnodes),
+                           per_node=per_node)  # fmt: skip
+            key += f"|{job.token}"  # this run's hand-off file: never an earlier run's
+        if info.rank == 0:
+            make = functools.partial(make, together=job)
+        else:
+            with contextlib.suppress(Exception):  # told to rank 0, which raises it for every rank
+                help(job)
     if info.initialized:
         return _broadcast(root, make, info, key, codec)
     return _via_file(root, make, info, key, codec)
@@ -224,12 +257,18 @@ def _mapped(root: str, key: str, info: DistInfo, data: bytes, codec: _Codec[T]) 
         return codec.from_bytes(data, root, f"{root} (from rank 0)")
 
 
-def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
-    """The file through which rank 0 hands this job's listing of ``root`` to the others."""
+def _job(nnodes: int) -> str:
+    """What tells this job from others (torchrun's variables)."""
     names = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT")
     job = "|".join(env(n) or "" for n in names)
     if nnodes == 1:  # one node: its launcher's pid tells this run from an earlier one with the same names
         job += f"|{os.getppid()}"
+    return job
+
+
+def shared_file(root: str, key: str, nnodes: int = 1) -> Path:
+    """The file through which rank 0 hands this job's listing of ``root`` to the others."""
+    job = _job(nnodes)
     h = hashlib.sha256(f"{job}\0{root}\0{key}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
     base = env("BLOBDATA_SHARED_DIR")
     return (Path(base).expanduser() if base else cache_home() / "jobs") / f"{h}.manifest"

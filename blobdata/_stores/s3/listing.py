@@ -12,7 +12,7 @@ in a row without an entry is an error, and the whole listing has a deadline
 (``FetchOptions.listing_timeout``). Keys and prefixes outside the requested prefix are dropped, and
 named in one warning when the listing ends.
 
-A prefix of more than one page is listed in key ranges at once (:mod:`.s3_ranges`): the same keys in
+A prefix of more than one page is listed in key ranges at once (:mod:`.ranges`): the same keys in
 the same order as page by page, each range's pages checked as above. :class:`PagedLister` holds these
 checks for any store whose pages carry a continuation token (GCS's lister is one too).
 """
@@ -25,15 +25,17 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from .._config import FetchOptions
-from .._errors import BlobdataError, FetchError, FetchTimeout, TransientError
-from .._retry import final_error, with_retries
-from .._url import BlobURL, printable
-from .base import Entry, count_list
-from .fsspec import bounded
-from .s3 import STORE, S3Reader
-from .s3_ranges import list_page_after, list_prefix
-from .s3xml import ListPage
+import numpy as np
+
+from ..._config import FetchOptions
+from ..._errors import BlobdataError, FetchError, FetchTimeout, TransientError
+from ..._retry import final_error, with_retries
+from ..._url import BlobURL, printable
+from ..base import Columns, count_list
+from ..fsspec import bounded
+from .ranges import Board, Part, list_page_after, list_part, list_prefix
+from .reader import STORE, S3Reader
+from .xml import ListPage
 
 __all__ = ["PagedLister", "S3LeanLister", "S3fsLister", "identity", "lean_s3"]
 
@@ -82,17 +84,17 @@ class S3fsLister:
                 names.append(info["Key"][cut:])  # "bucket/prefix/cls" (s3fs dropped the "/")
         return names, anything
 
-    async def below(self, folder: str) -> list[Entry]:
+    async def below(self, folder: str) -> Columns:
         return await bounded(
             lambda: self._below(folder), url=f"{self.url}/{folder}", options=self.options, store="s3"
         )
 
-    async def _below(self, folder: str) -> list[Entry]:
+    async def _below(self, folder: str) -> Columns:
         cut = len(self.url.bucket) + 1 + len(self._prefix())
-        out: list[Entry] = []
+        out: list[tuple[str, int, str]] = []
         async for info in self._iter(self._prefix() + folder + "/", ""):
             out.append((info["Key"][cut:], int(info["size"]), identity(info)))
-        return out
+        return Columns.from_entries(out)
 
     async def aclose(self) -> None:
         """Nothing to do: the s3fs client is shared through :func:`blobdata._stores.fsspec.get_fs`."""
@@ -103,18 +105,18 @@ class _Order:
     code point) or the one some S3-compatible stores list in (by path segment, SeaweedFS's: "x/y"
     before "x y"), whichever the listing keeps to. Either way no name comes twice, so it moves on."""
 
-    __slots__ = ("by_path", "by_text", "last", "last_parts")
+    __slots__ = ("by_path", "by_text", "last")
 
     def __init__(self) -> None:
         self.by_text = self.by_path = True
         self.last: str | None = None
-        self.last_parts: list[str] = []
 
     def follow(self, names: list[str]) -> tuple[str, str] | None:
         """Take the next ``names``; (name, the one before it) at the first that breaks both orders."""
-        last, last_parts = self.last, self.last_parts
+        last = self.last
+        last_parts = last.split("/") if last is not None else []
         for name in names:
-            parts = name.split("/") if self.by_path else last_parts
+            parts = name.split("/")
             if last is not None:
                 if self.by_text and name <= last:
                     self.by_text = False
@@ -123,8 +125,50 @@ class _Order:
                 if not (self.by_text or self.by_path):
                     return name, last
             last, last_parts = name, parts
-        self.last, self.last_parts = last, last_parts
+        self.last = last
         return None
+
+    def follow_keys(self, objects: Columns, prefix: bytes) -> tuple[tuple[str, str] | None, Any]:
+        """:meth:`follow` for a page of keys as columns, and which keys start with ``prefix`` (a bool
+        array): both from one grid of the keys' bytes, a key a row."""
+        n = len(objects)
+        if not n:
+            return None, np.ones(0, dtype=bool)
+        last = self.last.encode("utf-8", "surrogatepass") if self.last is not None else None
+        if bool((objects.keys == 0).any()) or (last is not None and b"\0" in last):
+            keys = objects.key_list()  # a NUL byte would read as the grid's padding
+            wanted = prefix.decode("utf-8", "surrogatepass")
+            return self.follow(keys), np.array([k.startswith(wanted) for k in keys], dtype=bool)
+        grid = objects.grid()
+        width = len(prefix)
+        if grid.shape[1] >= width:
+            inside = (grid[:, :width] == np.frombuffer(prefix, np.uint8)).all(axis=1)
+        else:
+            inside = np.zeros(n, dtype=bool)
+        a, b = grid[:-1], grid[1:]
+        differ = a != b
+        col = differ.argmax(axis=1)
+        at = np.arange(len(col))
+        c1, c2, moved = a[at, col], b[at, col], differ[at, col]
+        text = moved & (c1 < c2)
+        # By path segment: '/' ends a segment, so it sorts before any other byte.
+        path = moved & (c2 != 0) & ((c1 == 0) | (c1 == 47) | ((c2 != 47) & (c1 < c2)))
+        if last is not None:  # the page before's last key, then this page's first
+            first = objects.key_bytes(0)
+            text = np.append(first > last, text)
+            path = np.append(first.split(b"/") > last.split(b"/"), path)
+        fails = []
+        for alive, ok in ((self.by_text, text), (self.by_path, path)):
+            bad = np.flatnonzero(~ok)
+            fails.append(-1 if not alive else int(bad[0]) if len(bad) else None)
+        if fails[0] is not None and fails[1] is not None:  # both orders broken, at the later of the two
+            i = max(fails[0], fails[1]) + (last is None)
+            before = objects.key(i - 1) if i > 0 else self.last
+            return (objects.key(i), before or ""), inside
+        self.by_text = self.by_text and fails[0] is None
+        self.by_path = self.by_path and fails[1] is None
+        self.last = objects.key(n - 1)
+        return None, inside
 
 
 class PagedLister:
@@ -172,7 +216,7 @@ class PagedLister:
         start_after: str | None = None,
     ) -> ListPage:
         """One page under the retry budget and the listing's deadline (``start_after``: the first page of
-        a range, :mod:`.s3_ranges`)."""
+        a range, :mod:`.ranges`)."""
         bucket, opts, root = self.url.bucket, self.options, str(self.url)
         loop = asyncio.get_running_loop()
         if self._deadline is None:
@@ -215,26 +259,27 @@ class PagedLister:
         it dropped."""
         token: str | None = None
         tokens: set[str] = set()
-        orders = [_Order(), _Order()]  # of the keys, of the common prefixes
+        keys, prefixes = _Order(), _Order()
+        wanted = prefix.encode("utf-8", "surrogatepass")
         pages = empty = 0
         while True:
             page = await self._page(prefix, delimiter, token, pages, start_after)
             pages += 1
-            keys, prefixes = page.keys, page.common_prefixes
-            if len(keys) + len(prefixes) > _PAGE_KEYS and (page.next_token is not None or not self.whole_ok):
-                raise self._fail(f"the store sent {len(keys) + len(prefixes)} entries in a page of at most "
-                                 f"{_PAGE_KEYS}")  # fmt: skip
-            for order, names in zip(orders, (keys, prefixes), strict=True):
-                bad = order.follow(names)
-                if bad is not None:
-                    raise self._fail(f"the store sent {bad[0]!r} after {bad[1]!r}: a listing that moves "
-                                     "forward never sends a name twice or goes back")  # fmt: skip
-            empty = 0 if keys or prefixes else empty + 1
+            objects, common = page.objects, page.common_prefixes
+            count = len(objects) + len(common)
+            if count > _PAGE_KEYS and (page.next_token is not None or not self.whole_ok):
+                raise self._fail(f"the store sent {count} entries in a page of at most {_PAGE_KEYS}")
+            bad, inside = keys.follow_keys(objects, wanted)
+            bad = bad or prefixes.follow(common)
+            if bad is not None:
+                raise self._fail(f"the store sent {bad[0]!r} after {bad[1]!r}: a listing that moves "
+                                 "forward never sends a name twice or goes back")  # fmt: skip
+            empty = 0 if count else empty + 1
             if empty > _MAX_EMPTY_PAGES:
                 raise self._fail(f"the store sent {empty} pages in a row with no key")
-            if any(not k.startswith(prefix) for k in keys) or any(not p.startswith(prefix) for p in prefixes):
-                page = self._inside(page, prefix)
-            yield page
+            if not bool(inside.all()) or any(not p.startswith(prefix) for p in common):
+                page = self._inside(page, prefix, inside)
+            yield page._replace(ordered=keys.by_text)
             if page.next_token is None:
                 return
             if page.next_token in tokens or page.next_token == token or len(page.next_token) > _MAX_TOKEN:
@@ -244,23 +289,18 @@ class PagedLister:
                 tokens.add(token)
             token = page.next_token
 
-    def _inside(self, page: ListPage, prefix: str) -> ListPage:
+    def _inside(self, page: ListPage, prefix: str, inside: Any) -> ListPage:
         """``page`` without the keys and prefixes outside ``prefix`` (remembered for the warning)."""
         bucket_url = f"{self.store}://{self.url.bucket}/"
-        keep = [i for i, k in enumerate(page.keys) if k.startswith(prefix)]
-        outside = [k for k in page.keys if not k.startswith(prefix)]
+        out = np.flatnonzero(~inside)
+        outside = [page.objects.key(int(i)) for i in out[:_NAMED]]
         outside += [p for p in page.common_prefixes if not p.startswith(prefix)]
-        self._outside_count += len(outside)
+        self._outside_count += len(out) + sum(not p.startswith(prefix) for p in page.common_prefixes)
         for name in outside:
             if len(self._outside) < _NAMED and bucket_url + name not in self._outside:
                 self._outside.append(bucket_url + name)
-        return ListPage(
-            [page.keys[i] for i in keep],
-            [page.sizes[i] for i in keep],
-            [page.etags[i] for i in keep],
-            [p for p in page.common_prefixes if p.startswith(prefix)],
-            page.next_token,
-        )
+        return ListPage(page.objects.take(inside), [p for p in page.common_prefixes if p.startswith(prefix)],
+                        page.next_token)  # fmt: skip
 
     def _warn_outside(self) -> None:
         if self._outside_count:
@@ -278,19 +318,25 @@ class PagedLister:
         anything = False
         self.root_files: list[str] = []  # objects directly at the root, named when there is no class
         async for page in self._pages(self.base, "/"):
-            anything = anything or bool(page.keys or page.common_prefixes)
+            anything = anything or bool(len(page.objects) or page.common_prefixes)
             names.extend(p[cut:-1] for p in page.common_prefixes)  # "prefix/cls/" -> "cls"
             self.root_files.extend(k[cut:] for k in page.keys if k[cut:])
         return names, anything
 
-    async def below(self, folder: str) -> list[Entry]:
-        cut = len(self.base)
+    async def below(self, folder: str) -> Columns:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.options.concurrency)
-        found = await list_prefix(
-            self, self.base + folder + "/", self.options.concurrency, self._slots, _PAGE_KEYS
-        )
-        return [(k[cut:], size, etag) for k, size, etag in found]
+        return await list_prefix(self, self.base + folder + "/", self.options.concurrency, self._slots,
+                                 _PAGE_KEYS, cut=len(self.base.encode("utf-8", "surrogatepass")))  # fmt: skip
+
+    async def below_part(self, folder: str, board: Board, *, lead: bool, nonce: str) -> Part:
+        """This process's part of :meth:`below`, listed with the others on ``board`` (a split listing:
+        :mod:`blobdata._listing.job.split`)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.options.concurrency)
+        cut = len(self.base.encode("utf-8", "surrogatepass"))
+        return await list_part(self, self.base + folder + "/", self.options.concurrency, self._slots,
+                               _PAGE_KEYS, cut=cut, board=board, lead=lead, nonce=nonce)  # fmt: skip
 
 
 class S3LeanLister(PagedLister):

@@ -2,8 +2,8 @@
 (``"metadata.csv line 3"``) so that an error can name the file and the line.
 
 A CSV column is typed as a whole, as pandas reads it for Hugging Face, and a JSON Lines column as
-pyarrow reads it (:mod:`blobdata._listing.columns`). Parquet needs ``pyarrow`` (``pip install pyarrow``);
-CSV and JSON Lines need nothing.
+pyarrow reads it (:mod:`blobdata._tables.columns`). Parquet needs ``pyarrow`` (``pip install
+pyarrow``); CSV and JSON Lines need nothing.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def rows(
     """``(n, row)`` for every row of ``data`` (the bytes of ``source``; for Parquet, or a seekable file of
     them: :func:`open_bytes`), ``n`` its line (its row number in Parquet; :func:`place` names it); columns
     in ``keep`` are not typed (CSV: text as read). Parquet is read row group by row group, a batch of rows
-    at a time, each bounded (:mod:`blobdata._listing.parquet`)."""
+    at a time, each bounded (:mod:`blobdata._tables.parquet`)."""
     if fmt == "parquet":
         from .parquet import parquet_rows
 

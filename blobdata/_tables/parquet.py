@@ -16,7 +16,7 @@ Memory is then one row group, as compact as the file's own encoding (4 bytes a r
 plus its distinct values), and one batch of rows, whatever the number of rows; errors name the file and
 the rows. Not checked: a page whose own header declares a larger size than the column chunk does
 (pyarrow decompresses a page into what its header declares). The source is bytes already read, or a
-seekable file (a local file, or an object read in ranges: :func:`~blobdata._listing.tables.open_bytes`).
+seekable file (a local file, or an object read in ranges: :func:`~blobdata._tables.read.open_bytes`).
 Needs ``pyarrow``.
 """
 

@@ -26,8 +26,8 @@ Listing: :meth:`S3Reader.list_page` is one signed ListObjectsV2 request parsed w
 (~0.03 s of CPU per 1,000-key page, where botocore's parser spends ~0.14 s). It asks for
 ``encoding-type=url`` so keys with control characters survive XML, and decodes them as botocore
 does; a server that ignores the parameter is read verbatim. Retries go through
-:func:`blobdata._retry.with_retries`, the one retry budget. The lister is in :mod:`.s3_listing`;
-the signer in :mod:`.sigv4`; the ListObjectsV2 wire format in :mod:`.s3xml`.
+:func:`blobdata._retry.with_retries`, the one retry budget. The lister is in :mod:`.listing`;
+the signer in :mod:`.sigv4`; the ListObjectsV2 wire format in :mod:`.xml`.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any, TypeVar
 
 import yarl
 
-from .._config import env
-from .._errors import (
+from ..._config import env
+from ..._errors import (
     AccessDenied,
     ConfigError,
     FetchError,
@@ -50,13 +50,13 @@ from .._errors import (
     TransientError,
     from_status,
 )
-from .base import ReadResult, StoreInfo, check_header_identity
-from .h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
-from .h1 import RangeIgnored as _H1RangeIgnored
-from .http import ProcessBound, check_content_range, grown
-from .network import ca_bundle, proxy_settings, redact_url
-from .s3xml import ListPage, list_query, parse_list_page
+from ..base import ReadResult, StoreInfo, check_header_identity
+from ..h1 import MAX_BODY, BadResponse, BodyTooLarge, H1Pool, IncompleteBody, ProxyError, Response
+from ..h1 import RangeIgnored as _H1RangeIgnored
+from ..http import ProcessBound, check_content_range, grown
+from ..network import ca_bundle, proxy_settings, redact_url
 from .sigv4 import Credentials, SigV4Signer, cached_chain, chain_key, quote_key, refresh_chain, resolve_chain
+from .xml import ListPage, list_query, parse_list_page
 
 __all__ = ["EXPIRED_CODES", "S3ErrorResponse", "S3Reader", "split_identity"]
 

@@ -67,7 +67,7 @@ class _Frozen(NamedTuple):
 
 
 def _path(key: str) -> str | None:
-    from .._node import memory_dir
+    from ..._node import memory_dir
 
     top = memory_dir()  # memory only: credentials never reach a disk
     if top is None:
@@ -78,8 +78,8 @@ def _path(key: str) -> str | None:
 def _read(path: str) -> tuple[_Frozen, float] | None:
     """The shared credentials and their expiry, if the file is there, this user's own (a regular file,
     not a link, 0600: :func:`blobdata._node.read_own`) and still valid."""
-    from .._errors import ConfigError
-    from .._node import read_own
+    from ..._errors import ConfigError
+    from ..._node import read_own
 
     try:
         raw = read_own(path, setting="BLOBDATA_NODE_DIR", limit=_MAX_FILE)
