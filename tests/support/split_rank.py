@@ -22,9 +22,10 @@ def main() -> None:
     flat = len(sys.argv) > 5 and sys.argv[5] == "flat"
     import torch.distributed as dist
 
-    from blobdata._listing import help_list, load_or_list, load_or_list_flat, shared_manifest
-    from blobdata._listing.job import split
+    from blobdata._listing import help_list, job, load_or_list, load_or_list_flat, shared_manifest
     from blobdata._stores.s3 import listing as s3_listing
+
+    split = job.split
 
     if mode == "group":
         dist.init_process_group("gloo")
