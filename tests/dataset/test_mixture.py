@@ -238,3 +238,20 @@ def test_warm_fills_every_sources_cache(stores: Stores, tmp_path: Path) -> None:
     stores.reset()
     batches, _ = _run(mix.dataloader(batch_size=4))
     assert len(batches) == 12 and stores.gets() == {"s3": 0, "gcs": 0}
+
+
+def test_the_summary_names_the_source_the_loop_waits_for(stores: Stores) -> None:
+    """A loop that only takes batches, from S3 behind RTT 200 ms without a look-ahead and a local
+    folder: input-bound, and ``summary()`` names S3 as the source that limits it."""
+    with buckets.through_proxy(stores.s3, delay_s=0.1) as (_, slow):
+        t, options = RandomResizedCrop(16), blobdata.FetchOptions(lookahead=0)
+        sources = {
+            "s3": FolderDataset(stores.s3.url("d"), transform=t, storage_options=slow, fetch_options=options),
+            "local": FolderDataset(stores.local, transform=t),
+        }
+        loader = Mixture(sources, {"s3": 1, "local": 1}).dataloader(batch_size=4)
+        assert sum(len(batch[0]) for batch in loader) == 36
+        stats = loader.stats()
+    assert stats.sources["s3"].gets == 18 and stats.sources["local"].gets == 0
+    assert "input-bound" in stats.summary()
+    assert "the loop is limited by source 's3' (batches waited" in stats.summary(), stats.summary()

@@ -156,6 +156,22 @@ def test_two_ranks_are_disjoint_and_their_union_is_the_one_rank_epoch(
     assert collections.Counter(ranks[0] + ranks[1]) == collections.Counter(whole)
 
 
+def test_the_ranks_default_to_torchruns(
+    sources: dict[str, FolderDataset], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a process group, ``mix.dataloader()`` deals the epoch to the rank torchrun's variables
+    name (here rank 3 of 4, on node 1 of 2), as blobdata's other samplers do."""
+    for name, value in {"WORLD_SIZE": "4", "RANK": "3", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    mix = mixture(sources, {"a": 1, "b": 2, "c": 1}, samples_per_epoch=90, seed=1)
+    sampler = mix.dataloader(batch_size=5).sampler
+    assert (sampler.num_replicas, sampler.rank) == (4, 3)
+    assert list(sampler) == list(MixtureSampler(mix, num_replicas=4, rank=3))
+    by_node = mix.dataloader(batch_size=5, sampler="partitioned").sampler
+    assert (by_node.nnodes, by_node.node_rank, by_node.local_rank) == (2, 1, 1)
+    assert list(by_node) == list(MixtureSampler(mix, num_replicas=4, rank=3, by_node=True, nproc_per_node=2))
+
+
 def test_by_node_each_node_reads_its_own_shares(sources: dict[str, FolderDataset]) -> None:
     """Two nodes of two ranks: a source larger than the nodes is split between them (node caches add
     up), each node's part follows the weights exactly, and its ranks read different samples."""
