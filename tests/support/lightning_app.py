@@ -53,8 +53,8 @@ class Recorded(example.Toy):  # type: ignore[misc,name-defined]
         self.log = log
 
     def configure_model(self) -> None:
-        ds = self.trainer.datamodule.ds
         if not hasattr(self, "net"):  # a mixture's sources share their classes here
+            ds = self.trainer.datamodule.ds  # (none where --predict alone made the model's net)
             classes = ds.sources["a"].classes if hasattr(ds, "sources") else ds.classes
             self.net = torch.nn.Linear(16, len(classes))
 
