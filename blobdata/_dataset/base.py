@@ -311,7 +311,7 @@ class BlobDatasetBase:
         if proc.lookahead is None:
             # With a cache, the look-ahead looks its samples up there first (:meth:`_cached`) and fetches
             # only those it misses, which are not looked up again.
-            cached = self._cached if proc.cache is not None else None
+            cached = self._cached if self._marks_present() else None
             fetch = functools.partial(self._load, checked=True) if cached is not None else self._load
             proc.lookahead = LookAhead(
                 fetch, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes, cached=cached
@@ -347,7 +347,16 @@ class BlobDatasetBase:
         _stats.rec()[_stats.STAGED] += staged_n
         if not ahead:  # after this batch's own requests, so that requests start in the sampler's order
             self._advance_on_loop(proc, batch if batch is not None else indices, seed)
-        return list(await asyncio.gather(*tasks, return_exceptions=True))
+        return await self._await_all(indices, tasks)
+
+    async def _await_all(self, indices: list[int], tasks: list[asyncio.Future[Any]]) -> list[Any]:
+        return list(await asyncio.gather(*tasks, return_exceptions=True))  # each result, or its exception
+
+    def _any_cache(self) -> bool:  # whether fetched bytes go to a node cache (a mixture: any source's)
+        return self.cache is not None
+
+    def _marks_present(self) -> bool:  # whether the look-ahead asks _cached what the batch reads itself
+        return self.cache is not None
 
     def _advance_on_loop(self, proc: ProcessState, indices: list[int], seed: int | None) -> None:
         channel = self._channel
@@ -478,7 +487,7 @@ class BlobDatasetBase:
                 proc.writer.flush()
             if proc.cache is not None:
                 proc.cache.close()
-            proc.engine.close()
+            proc.close_engine()
 
 
 def _named_sampler(ds: BlobDatasetBase, name: str, shuffle: bool | None) -> Any:
