@@ -46,8 +46,8 @@ from ._peers import Peers
 from ._sampling import compare_runs, sample_rng
 
 if _TYPE_CHECKING:
-    from ._dataset import BlobDataset, BlobLoader, FolderDataset
-    from ._sampling import ElasticDistributedSampler, PartitionedSampler
+    from ._dataset import BlobDataset, BlobLoader, FolderDataset, Mixture
+    from ._sampling import ElasticDistributedSampler, MixtureSampler, PartitionedSampler
 
 
 def _public(obj: _Any) -> _Any:
@@ -59,11 +59,11 @@ def _public(obj: _Any) -> _Any:
 def __getattr__(name: str) -> object:
     # FolderDataset, BlobLoader and the samplers need torch (seconds to import); the command line and
     # the cache do not.
-    if name in ("BlobDataset", "FolderDataset", "BlobLoader"):
+    if name in ("BlobDataset", "FolderDataset", "BlobLoader", "Mixture"):
         from . import _dataset
 
         return _public(getattr(_dataset, name))
-    if name in ("PartitionedSampler", "ElasticDistributedSampler"):
+    if name in ("PartitionedSampler", "ElasticDistributedSampler", "MixtureSampler"):
         from . import _sampling
 
         return _public(getattr(_sampling, name))
@@ -92,6 +92,8 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "MissingMember",
+    "Mixture",
+    "MixtureSampler",
     "NotFound",
     "ObjectChanged",
     "PartitionedSampler",
@@ -105,7 +107,10 @@ __all__ = [
     "warm",
 ]
 
-_LAZY = ("BlobDataset", "BlobLoader", "ElasticDistributedSampler", "FolderDataset", "PartitionedSampler")
+_LAZY = (
+    "BlobDataset", "BlobLoader", "ElasticDistributedSampler", "FolderDataset", "Mixture", "MixtureSampler",
+    "PartitionedSampler",
+)  # fmt: skip
 for _name in __all__:
     if _name != "__version__" and _name not in _LAZY:
         _public(globals()[_name])

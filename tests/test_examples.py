@@ -157,3 +157,15 @@ def test_train_resnet_short_run_prints_progress_per_step(
     assert steps == ["1", "2", "3"], out  # --steps 3 stops the run, --epochs 5 notwithstanding
     assert "epoch 1" not in out
     assert "epoch 0: 6 images" in out and "data so far: 6 samples served" in out, out
+
+
+def test_the_mixing_example_on_the_test_kits_server() -> None:
+    """examples/mixing.py --demo: two folders on the kit's S3 server and one on local disk, weights 3, 1,
+    2: each epoch reads exactly 36, 12 and 24 of its 72 samples, and the summary names each source."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = _run([sys.executable, "examples/mixing.py", "--demo"], env)
+    assert "Mixture({web: 3, coco: 1, curated: 2}, samples_per_epoch=72, seed=0)" in out
+    for epoch in (0, 1):
+        said = rf"epoch {epoch}: web 36 samples, .*, coco 12 samples, .*, curated 24 samples"
+        assert re.search(said, out), out
+    assert "sources: web: 72 samples (50%)" in out and "coco: 24 samples (17%)" in out

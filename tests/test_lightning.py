@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from blobdata import ElasticDistributedSampler, FolderDataset
+from blobdata import ElasticDistributedSampler, FolderDataset, Mixture, MixtureSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 200  # 13 batches of 16 on one device, 7 per rank on two
@@ -205,3 +205,47 @@ def test_the_example_as_its_readme_runs_it(folder: Path, tmp_path: Path) -> None
     for rank in (0, 1):
         assert f"rank {rank}: {N} samples" in out  # 2 epochs of 100 per rank
         assert f"rank {rank}: {N // 2} predictions" in out
+
+
+# -- issue 41: a mixture under Lightning ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ROOT/a (ids 0..119) and ROOT/b (ids 1000..1079), for the app's --mixture (weights 1 and 3)."""
+    root = tmp_path_factory.mktemp("lightning-mix")
+    for name, ids in (("a", range(120)), ("b", range(1000, 1080))):
+        for i in ids:
+            d = root / name / f"c{i % 4}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{i}.png").write_bytes(f"{i:016d}".encode())
+    return root
+
+
+def _mixture_expected(root: Path, epoch: int, world: int, rank: int, batch: int = 16) -> list[list[int]]:
+    """The batches of ids rank ``rank`` of ``world`` reads in ``epoch`` under the mixture's sampler."""
+    sources = {k: FolderDataset(root / k, loader=lambda f: f.read()) for k in "ab"}
+    mix = Mixture(sources, {"a": 1, "b": 3})
+    sampler = MixtureSampler(mix, num_replicas=world, rank=rank)
+    sampler.set_epoch(epoch)
+    ids = [int(Path(sources[s].samples[j][0]).stem) for s, j in map(mix.source_of, sampler)]
+    return [ids[k : k + batch] for k in range(0, len(ids), batch)]
+
+
+@pytest.mark.parametrize(("devices", "workers", "crash"), [(1, 0, 5), (2, 2, 3)])
+def test_a_mixture_crashed_mid_epoch_resumes_exactly_under_lightning(
+    two_folders: Path, tmp_path: Path, devices: int, workers: int, crash: int
+) -> None:
+    """mix.dataloader() under Trainer.fit (its MixtureSampler is a DistributedSampler: Lightning keeps
+    it under DDP): stopped after a few steps and resumed from the checkpoint, each rank trains on
+    exactly its part of the planned epoch 0, then of epoch 1 (Lightning's set_epoch)."""
+    log, ckpt = tmp_path / "log", tmp_path / "mid.ckpt"
+    common = ["--fit", "--epochs", "2", "--mixture", "--devices", str(devices), "--workers", str(workers)]
+    _run(two_folders, log, *common, "--crash-at", str(crash), "--ckpt", str(ckpt), expect=3)
+    assert len(_fit(log, 0, 0)) == crash
+    _run(two_folders, log, *common, "--resume", str(ckpt))
+    for rank in range(devices):
+        for epoch in (0, 1):
+            assert _fit(log, rank, epoch) == _mixture_expected(two_folders, epoch, devices, rank)
+        assert _records(log, rank)[-1]["end"]["loader"] == "BlobLoader"
+        assert _records(log, rank)[-1]["end"]["sampler"] == "MixtureSampler"

@@ -28,6 +28,8 @@ def test_all_is_sorted_and_exact() -> None:
         "Manifest",
         "ManifestError",
         "MissingMember",
+        "Mixture",
+        "MixtureSampler",
         "NotFound",
         "ObjectChanged",
         "PartitionedSampler",
@@ -52,7 +54,10 @@ def test_nothing_else_leaks() -> None:
     assert public - subpackages == set(blobdata.__all__) - {"__version__"} - _LAZY, sorted(public)
 
 
-_LAZY = {"BlobDataset", "BlobLoader", "ElasticDistributedSampler", "FolderDataset", "PartitionedSampler"}
+_LAZY = {
+    "BlobDataset", "BlobLoader", "ElasticDistributedSampler", "FolderDataset", "Mixture", "MixtureSampler",
+    "PartitionedSampler",
+}  # fmt: skip
 
 
 def test_exports_say_blobdata_wherever_they_live() -> None:

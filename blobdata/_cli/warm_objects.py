@@ -23,7 +23,7 @@ from .._url import parse_url
 from .warm import warm
 from .warm_summary import WarmSummary
 
-__all__ = ["dataset_for", "warm_cache", "warm_dataset"]
+__all__ = ["dataset_for", "warm_cache", "warm_dataset", "warm_mixture"]
 
 
 def warm_dataset(
@@ -58,7 +58,8 @@ def warm_dataset(
         policy = cache_policy or "admit"
         if policy not in ("admit", "lru"):
             raise ConfigError(f"cache_policy must be 'admit' or 'lru', got {policy!r}")
-    objects = ds.warm_objects(directory)
+    # A BlobDataset's objects (every member, what an index lacked learned); a FolderDataset's listing.
+    objects = ds.warm_objects(directory) if hasattr(ds, "warm_objects") else ds.manifest
     try:
         return warm(
             ds.url, cache_dir=directory, cache_size=size, cache_policy=policy,
@@ -67,7 +68,29 @@ def warm_dataset(
             manifest=objects, indices=indices, progress=progress, dry_run=dry_run, buffer_size=buffer_size,
         )  # fmt: skip
     finally:
-        objects.remember()
+        remember = getattr(objects, "remember", None)
+        if remember is not None:
+            remember()
+
+
+def warm_mixture(
+    mix: Any, cache: Any, *, rank: int = 0, world_size: int = 1, progress: bool = False, dry_run: bool = False
+) -> WarmSummary:
+    """Warm every source of a :class:`~blobdata.Mixture` into its cache (or ``cache``), one after the
+    other; a local folder without a cache is left as it is (nothing to warm). The summary is their sum,
+    each source's own in ``sources``."""
+    parts: dict[str, WarmSummary] = {}
+    for name, src in mix.sources.items():
+        if cache is None and src.cache is None:
+            if src._local_root is not None:
+                continue
+            raise ConfigError(
+                f"blobdata.warm(mixture): source {name!r} ({src.url}) has no cache; give it one, or pass "
+                "cache=DIR for every source"
+            )
+        parts[name] = warm_dataset(src, cache, rank=rank, world_size=world_size, progress=progress,
+                                   dry_run=dry_run)  # fmt: skip
+    return WarmSummary.of_sources(mix._url, parts)
 
 
 def dataset_for(args: Any, url: str, storage_options: dict[str, Any], layout: Any) -> Any:
@@ -103,9 +126,12 @@ def warm_cache(
     folder is listed as :class:`~blobdata.FolderDataset` lists it (remembered listing, ``manifest``,
     ``refresh``, ``extensions``); ``rank``/``world_size`` warm one node's share (samples ``i`` with
     ``i % world_size == rank``). Returns a :class:`WarmSummary` (objects fetched, skipped, failed...).
-    ``blobdata.warm(ds)``: a :class:`~blobdata.BlobDataset`'s objects, see :mod:`.warm_objects`.
+    ``blobdata.warm(ds)``: a :class:`~blobdata.BlobDataset`'s objects (see :mod:`.warm_objects`), a
+    :class:`~blobdata.FolderDataset`'s listing, or every source of a :class:`~blobdata.Mixture`.
     """
-    if hasattr(url, "warm_objects"):
+    if hasattr(url, "source_sizes"):  # a Mixture: each of its sources
+        return warm_mixture(url, cache, rank=rank, world_size=world_size, progress=progress, dry_run=dry_run)
+    if hasattr(url, "warm_objects") or hasattr(url, "manifest"):  # a BlobDataset, a FolderDataset
         return warm_dataset(url, cache, rank=rank, world_size=world_size, progress=progress, dry_run=dry_run)
     if cache is None:
         raise ConfigError("blobdata.warm(url, cache=DIR): name the cache to fill")

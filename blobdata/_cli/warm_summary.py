@@ -56,6 +56,25 @@ class WarmSummary:
     cache_info: dict[str, Any] = dataclasses.field(default_factory=dict)
     fits: bool | None = None  # whether what is missing fits in the cache's free room
     throttled: int = 0  # requests the store answered with throttling (retried; the node slowed down)
+    #: ``blobdata.warm(mixture)``: each source's own summary, by name (this one is their sum).
+    sources: dict[str, WarmSummary] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of_sources(cls, url: str, parts: dict[str, WarmSummary]) -> WarmSummary:
+        """The sum of several sources' runs (one after the other: their seconds add up)."""
+        out = cls(url=url, sources=dict(parts))
+        for p in parts.values():
+            for f in ("shard_objects", "shard_bytes", "skipped", "skipped_bytes", "fetched", "fetched_bytes",
+                      "failed", "not_admitted", "not_admitted_bytes", "seconds", "throttled"):  # fmt: skip
+                setattr(out, f, getattr(out, f) + getattr(p, f))
+            for f in ("cache_full", "interrupted", "aborted", "denied"):
+                setattr(out, f, getattr(out, f) or getattr(p, f))
+            out.failures += p.failures
+            out.first_error = out.first_error or p.first_error
+            out.write_error = out.write_error or p.write_error
+            out.cache_info = p.cache_info or out.cache_info
+            out.fits = p.fits if out.fits is None else (out.fits and p.fits is not False)
+        return out
 
     @property
     def mb_per_s(self) -> float:

@@ -10,6 +10,7 @@ module             its one job
                    ImageFolder's contract
 ``imagefolder``    ImageFolder's attributes and hooks: ``samples``/``targets``/``imgs``, overrides
 ``loader``         :class:`BlobLoader`: the DataLoader ``ds.dataloader()`` returns
+``mixture``        :class:`Mixture`: several datasets as one stream, by weight, split per batch
 =================  ==========================================================================
 
 Importing this package imports torch.
@@ -20,5 +21,6 @@ from __future__ import annotations
 from .blob import BlobDataset
 from .folder import FolderDataset
 from .loader import BlobLoader
+from .mixture import Mixture
 
-__all__ = ["BlobDataset", "BlobLoader", "FolderDataset"]
+__all__ = ["BlobDataset", "BlobLoader", "FolderDataset", "Mixture"]

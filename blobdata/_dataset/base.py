@@ -39,7 +39,7 @@ from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
 from .peering import join_peers, read_from_home
 from .reads import PENDING, Objects, ProcessState, read_batch
-from .settings import LEGACY_KEYWORDS, legacy_keywords, resolve_cache
+from .settings import LEGACY_KEYWORDS, legacy_keywords, named_sampler, resolve_cache
 
 __all__ = ["LEGACY_KEYWORDS", "BlobDatasetBase", "OnError", "legacy_keywords", "resolve_cache"]
 
@@ -318,7 +318,7 @@ class BlobDatasetBase:
         if proc.lookahead is None:
             # With a cache, the look-ahead looks its samples up there first (:meth:`_cached`) and fetches
             # only those it misses, which are not looked up again.
-            cached = self._cached if proc.cache is not None else None
+            cached = self._cached if self._marks_present() else None
             fetch = functools.partial(self._load, checked=True) if cached is not None else self._load
             proc.lookahead = LookAhead(
                 fetch, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes, cached=cached
@@ -354,7 +354,16 @@ class BlobDatasetBase:
         _stats.rec()[_stats.STAGED] += staged_n
         if not ahead:  # after this batch's own requests, so that requests start in the sampler's order
             self._advance_on_loop(proc, batch if batch is not None else indices, seed)
-        return list(await asyncio.gather(*tasks, return_exceptions=True))
+        return await self._await_all(indices, tasks)
+
+    async def _await_all(self, indices: list[int], tasks: list[asyncio.Future[Any]]) -> list[Any]:
+        return list(await asyncio.gather(*tasks, return_exceptions=True))  # each result, or its exception
+
+    def _any_cache(self) -> bool:  # whether fetched bytes go to a node cache (a mixture: any source's)
+        return self.cache is not None
+
+    def _marks_present(self) -> bool:  # whether the look-ahead asks _cached what the batch reads itself
+        return self.cache is not None
 
     def _advance_on_loop(self, proc: ProcessState, indices: list[int], seed: int | None) -> None:
         channel = self._channel
@@ -453,7 +462,7 @@ class BlobDatasetBase:
         on the CPU. Needs ``pip install 'blobdata[gpu]'`` for CUDA; see :mod:`blobdata.gpu`.
         """
         if isinstance(kwargs.get("sampler"), str):
-            kwargs["sampler"] = _named_sampler(self, kwargs["sampler"], shuffle)
+            kwargs["sampler"] = named_sampler(self, kwargs["sampler"], shuffle)
             shuffle = None
         # All by keyword: Lightning re-makes a loader from the arguments it was made with, adding its
         # own sampler= and shuffle=, which must not collide with positional ones.
@@ -485,14 +494,4 @@ class BlobDatasetBase:
                 proc.writer.flush()
             if proc.cache is not None:
                 proc.cache.close()
-            proc.engine.close()
-
-
-def _named_sampler(ds: BlobDatasetBase, name: str, shuffle: bool | None) -> Any:
-    if name != "partitioned":  # dataloader(sampler="partitioned"): the job's PartitionedSampler, seed 0
-        raise ConfigError(f'sampler= takes a sampler or "partitioned", got {name!r}')
-    from .._sampling import PartitionedSampler
-
-    sampler = PartitionedSampler(ds, shuffle=shuffle is not False)
-    sampler.owned_by_loader = True  # the loader moves its epoch on, unless set_epoch is called
-    return sampler
+            proc.close_engine()

@@ -24,7 +24,7 @@ import torch.utils.data
 
 from .._errors import ConfigError
 from .._fetch import PlanChannel, PlanningBatchSampler
-from .._metrics import LoaderStats, LoopClock, Records, SkipLog, TimedCollate, TimedIter
+from .._metrics import LoaderStats, LoopClock, Records, SkipLog, TimedCollate, TimedIter, combined
 from .._sampling import NextEpoch, Progress, loader_seed, own_generator, run_identity
 from ..gpu._pipeline import DevicePipeline, collate_raw
 
@@ -244,11 +244,18 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         """What this loader did so far, summed over the training process and its workers (a
         :class:`~blobdata.LoaderStats`; ``.as_dict()`` for a metrics logger)."""
         c = self._clock
-        totals = self._records.total()
+        main, parts = self._records.by_source()
+        named = getattr(self.dataset, "_stats_sources", None)  # a mixture's sources: (name, LIST requests)
+        sources = {}
+        for k, (name, lists) in enumerate(named() if named is not None else ()):
+            sources[name] = LoaderStats.from_totals(
+                parts.get(k, 0 * main), loop_wait_s=0.0, loop_batches=0, elapsed_s=c.elapsed_s,
+                list_requests=lists,
+            )  # fmt: skip
         return LoaderStats.from_totals(
-            totals, loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s,
+            combined(main, parts), loop_wait_s=c.wait_s, loop_batches=c.batches, elapsed_s=c.elapsed_s,
             loop_samples=c.samples if not c.unplanned else None,
-            list_requests=int(getattr(self.dataset, "list_requests", 0)),
+            list_requests=int(getattr(self.dataset, "list_requests", 0)), sources=sources,
         )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
@@ -300,7 +307,7 @@ class _FirstBatches:
         self.dataset._drop_handoff()
 
     def end(self, batches: Sequence[Sequence[int]]) -> None:
-        if self.dataset.cache is not None or _start_method(self.context) != "fork":
+        if self.dataset._any_cache() or _start_method(self.context) != "fork":
             return  # a spawned worker gets a pickled dataset: nothing handed over reaches it
         self.dataset._hand_over([i for batch in batches[: 2 * self.workers] for i in batch])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -31,7 +32,7 @@ from .._peers import PeerClient, PeerTable
 from .._stores import read_local_file, resolve_storage_options
 from .ahead import BuiltAhead
 
-__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch"]
+__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch", "read_direct", "take_staged"]
 
 
 class Dataset(Protocol):
@@ -77,11 +78,9 @@ class ProcessState:
 
     def __init__(self, ds: Dataset) -> None:
         self.pid = _process.pid()
-        self.engine = FetchEngine(
-            ds.fetch_options,
-            ds._protocol,
-            resolve_storage_options(ds._protocol, ds._storage_options),
-            root=ds._url,
+        self._engine: FetchEngine | None = None  # made at the first fetch (a mixture's own state: never)
+        self._make_engine = functools.partial(
+            _engine_for, ds.fetch_options, ds._protocol, ds._storage_options, ds._url
         )
         # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
         self.cache: BlobCache | None = ds.cache
@@ -98,9 +97,30 @@ class ProcessState:
         #: The samples this process read from the cache, under "admit" (where entries stay until trimmed
         #: or cleared): the look-ahead does not look them up again.
         self.held = Held(len(ds)) if self.cache is not None and self.cache.policy == "admit" else None
-        # Connections belong to this process's loop: close them there when this state goes away
-        # (the engine closes them itself at interpreter exit).
-        weakref.finalize(self, _close_engine, self.engine, self.pid, self.peers)
+        if self.peers is not None:  # its connections to the peers, closed as the engine's are
+            weakref.finalize(self, _close_peers, self.peers, self.pid)
+
+    @property
+    def engine(self) -> FetchEngine:
+        """This process's fetch engine for the dataset's store (made at first use)."""
+        engine = self._engine
+        if engine is None:
+            engine = self._engine = self._make_engine()
+            # Connections belong to this process's loop: close them there when this state goes away
+            # (the engine closes them itself at interpreter exit).
+            weakref.finalize(self, _close_engine, engine, self.pid)
+        return engine
+
+    def close_engine(self) -> None:
+        """Close the fetch engine, if one was made."""
+        if self._engine is not None:
+            self._engine.close()
+
+
+def _engine_for(
+    options: FetchOptions, protocol: str, storage_options: dict[str, Any], url: str
+) -> FetchEngine:
+    return FetchEngine(options, protocol, resolve_storage_options(protocol, storage_options), root=url)
 
 
 class Held:
@@ -134,19 +154,30 @@ def _count_stored(n: int) -> None:
     _stats.rec()[_stats.CACHE_STORED] += n
 
 
-def _close_engine(engine: FetchEngine, pid: int, peers: PeerClient | None = None) -> None:
+def _close_engine(engine: FetchEngine, pid: int) -> None:
     if _process.pid() == pid:
         with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
             submit(engine.aclose())
-            if peers is not None:
-                submit(peers.aclose())
+
+
+def _close_peers(peers: PeerClient, pid: int) -> None:
+    if _process.pid() == pid:
+        with contextlib.suppress(RuntimeError):
+            submit(peers.aclose())
 
 
 def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:
     """Each sample's data (or the error met reading it) where it could be had without the loop; else
     :data:`PENDING`."""
-    n = len(idx)
-    out: list[Any] = [PENDING] * n
+    out = take_staged(proc, idx)
+    read_direct(ds, proc, idx, out)
+    return [PENDING if d is IN_FLIGHT else d for d in out]
+
+
+def take_staged(proc: ProcessState, idx: list[int]) -> list[Any]:
+    """For each sample of the batch ``idx``: :data:`IN_FLIGHT` where the look-ahead of ``proc`` fetches
+    it (taken on the loop), else :data:`PENDING` (no longer marked present: the caller reads it)."""
+    out: list[Any] = [PENDING] * len(idx)
     advancing, proc.advancing = proc.advancing, None
     if advancing is not None:  # what it stages (its first move makes it) is taken from it, not read here
         advancing.wait(_ADVANCE_WAIT_S)
@@ -155,13 +186,18 @@ def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:
         for k, fetching in enumerate(staging.stager.take_ready(idx)):
             if fetching:
                 out[k] = IN_FLIGHT
+    return out
+
+
+def read_direct(ds: Dataset, proc: ProcessState, idx: list[int], out: list[Any]) -> None:
+    """Fill ``out[k]`` still :data:`PENDING` with what needs no loop: cache hits and local files of
+    ``ds`` (whose per-process state is ``proc``)."""
     local = ds._local_root is not None
     if proc.cache is None and not local:
-        return [PENDING if d is IN_FLIGHT else d for d in out]
-    rest = [k for k in range(n) if out[k] is PENDING]
+        return
+    rest = [k for k in range(len(idx)) if out[k] is PENDING]
     if rest:
         _read_direct(ds, proc, idx, rest, out, local)
-    return [PENDING if d is IN_FLIGHT else d for d in out]
 
 
 def _read_direct(

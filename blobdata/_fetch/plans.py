@@ -71,6 +71,16 @@ class Plan:
                 batch = self.flat[self.offsets[cand] : self.offsets[cand + 1]]
                 if len(batch) == len(indices) and np.array_equal(batch, np.asarray(indices, dtype=np.int64)):
                     return cand
+        return self._among_repeats(first, indices)
+
+    def _among_repeats(self, first: int, indices: Sequence[int]) -> int | None:
+        """The batch ``indices`` where its first index is read more than once in the epoch (a
+        mixture's source read more than its size): among the batches that begin with it."""
+        starts = self.flat[np.minimum(self.offsets[:-1], len(self.flat) - 1)]
+        want = np.asarray(indices, dtype=np.int64)
+        for cand in np.flatnonzero(starts == first).tolist():
+            if np.array_equal(self.flat[self.offsets[cand] : self.offsets[cand + 1]], want):
+                return int(cand)
         return None
 
     def batch(self, k: int) -> np.ndarray:

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from . import progress, stats
 from .progress import RequestsLine
-from .report import LoaderStats, stages, throttle_bound
+from .report import LoaderStats, limiting_source, stages, throttle_bound
 from .skips import SkipLog
-from .stats import Records, TimedCollate
+from .stats import Records, TimedCollate, combined
 from .timing import LoopClock, TimedIter
 
 __all__ = [
@@ -31,6 +31,8 @@ __all__ = [
     "SkipLog",
     "TimedCollate",
     "TimedIter",
+    "combined",
+    "limiting_source",
     "progress",
     "stages",
     "stats",

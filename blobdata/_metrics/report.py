@@ -4,6 +4,7 @@ training loop's clock), its one-line summary, and the verdict (what limits the l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -62,7 +63,8 @@ from .stats import (
 )  # fmt: skip
 
 __all__ = [
-    "INPUT_BOUND", "THROTTLED_SHARE", "LoaderStats", "peers_bound", "stages", "throttle_bound", "verdict",
+    "INPUT_BOUND", "THROTTLED_SHARE", "LoaderStats", "limiting_source", "peers_bound", "stages",
+    "throttle_bound", "verdict",
 ]  # fmt: skip
 
 
@@ -112,6 +114,12 @@ class LoaderStats:
     it read from the bucket for them (``peers_served_fetched``) and the requests it refused
     (``peers_refused``).
     :meth:`as_dict` gives the flat ``{name: number}`` that TensorBoard, Lightning or Prometheus take.
+
+    A :class:`~blobdata.Mixture`'s loader has ``sources``: each source's own figures (a
+    ``LoaderStats`` by name: ``samples`` the samples its workers made, bytes, hit rate, GETs and their
+    latency, throttling, ``fetch_wait_s_per_sample`` the time batches waited for its samples, decode and
+    transform times); :meth:`summary` names the source that limits the loop, and :meth:`as_dict` has
+    them as ``"<source>/<field>"``.
     """
 
     samples: int = 0
@@ -170,6 +178,7 @@ class LoaderStats:
     wait_fraction: float = 0.0
     samples_per_s: float = 0.0
     bucket_bytes_per_s: float = 0.0
+    sources: Mapping[str, LoaderStats] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_totals(
@@ -182,11 +191,12 @@ class LoaderStats:
         now: np.ndarray | None = None,
         loop_samples: int | None = None,
         list_requests: int = 0,
+        sources: Mapping[str, LoaderStats] | None = None,
     ) -> LoaderStats:
         """Build a snapshot from a record sum (:meth:`Records.total`, or a difference of two; then
         ``now`` is the latest sum, whose gauges are the current ones). ``loop_samples``: the samples
         of the batches the loop received (as planned), when known; else the workers' count serves.
-        ``list_requests``: the LIST requests the dataset's listing took."""
+        ``list_requests``: the LIST requests the dataset's listing took; ``sources``: a mixture's."""
         gauges = t if now is None else now
         t = t.copy()
         for batch_slot, slot in _FOLDED:
@@ -258,11 +268,16 @@ class LoaderStats:
             wait_fraction=loop_wait_s / elapsed_s if elapsed_s > 0 else 0.0,
             samples_per_s=served / elapsed_s if elapsed_s > 0 else 0.0,
             bucket_bytes_per_s=float(t[BYTES_BUCKET]) / elapsed_s if elapsed_s > 0 else 0.0,
+            sources=dict(sources or {}),
         )
 
     def as_dict(self) -> dict[str, float]:
-        """Every field as ``{name: number}`` (flat; for ``SummaryWriter.add_scalar``, ``log_dict``...)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field as ``{name: number}`` (flat; for ``SummaryWriter.add_scalar``, ``log_dict``...); a
+        mixture's sources' as ``"<source>/<field>"``."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sources"}
+        for name, part in self.sources.items():
+            out.update({f"{name}/{k}": v for k, v in part.as_dict().items()})
+        return out
 
     def _dropped(self) -> str:
         if not self.cache_writes_dropped:
@@ -346,7 +361,28 @@ class LoaderStats:
             f"{self._sources()}{inflight}{self._throttling()}, "
             f"{self.retries} retries, {self.errors_skipped} skipped{self._dropped()}; the loop waited "
             f"{self.loop_wait_s:.1f}s ({self.wait_fraction:.0%}): {kind}: {why}{self._ahead()}"
+            f"{self._per_source()}"
         )
+
+    def _per_source(self) -> str:
+        """A mixture's sources, each in a few figures, and the one that limits the loop."""
+        if not self.sources:
+            return ""
+        made = sum(p.samples for p in self.sources.values()) or 1
+        parts = []
+        for name, p in self.sources.items():
+            reads = p.samples_from_cache + p.samples_from_bucket
+            figures = [f"{p.samples} samples ({p.samples / made:.0%})"]
+            if reads:
+                figures.append(f"hit rate {p.hit_rate:.0%}")
+            if p.gets:
+                figures.append(f"GET p50 {_ms(p.get_p50_s)}")
+            if p.throttled:
+                figures.append(f"{p.throttled} throttled")
+            parts.append(f"{name}: {', '.join(figures)}")
+        limit = limiting_source(self)
+        said = f"; {limit[1]}" if limit is not None else ""
+        return f"; sources: {'; '.join(parts)}{said}"
 
 
 def _rate(bytes_per_s: float) -> str:
@@ -421,3 +457,25 @@ def verdict(s: LoaderStats) -> tuple[str, str]:
     else:
         where = f"{top} (add workers if cores are idle)"
     return "input-bound", f"workers spend {share:.0%} of {per * 1e3:.2f} ms per sample in {where}"
+
+
+def limiting_source(s: LoaderStats) -> tuple[str, str] | None:
+    """A mixture's source that limits the loop, and why, in words: input-bound, the one its batches
+    waited for longest; compute-bound, the one that takes the most worker time; None without sources."""
+    if not s.sources:
+        return None
+    kind, _ = verdict(s)
+    parts = s.sources.items()
+    if kind == "compute-bound":
+        cost = {n: (p.decode_s_per_sample + p.transform_s_per_sample) * p.samples for n, p in parts}
+        name = max(cost, key=lambda n: cost[n])
+        return name, f"source {name!r} takes the most worker time ({cost[name]:.1f}s to decode and transform)"
+    waits = {n: p.fetch_wait_s_per_sample * p.samples for n, p in parts}
+    name = max(waits, key=lambda n: waits[n])
+    p = s.sources[name]
+    how = [f"GET p50 {_ms(p.get_p50_s)}"] if p.gets else []
+    if throttle_bound(p):
+        limit = f", at most {p.rate_limit:.0f} GET/s" if p.rate_limit else ""
+        how.append(f"{p.throttled} throttled{limit}")
+    detail = f"; {', '.join(how)}" if how else ""
+    return name, f"the loop is limited by source {name!r} (batches waited {waits[name]:.1f}s for it{detail})"

@@ -35,8 +35,8 @@ import numpy as np
 from .. import _process
 
 __all__ = [
-    "Slots", "TimedCollate", "Records", "attach", "for_next_epoch", "next_epoch", "note_inflight",
-    "note_peer", "note_rate_limit", "note_throttled", "rec",
+    "Slots", "TimedCollate", "Records", "attach", "combined", "count_for", "counting_for", "for_next_epoch",
+    "next_epoch", "note_inflight", "note_peer", "note_rate_limit", "note_throttled", "rec",
 ]  # fmt: skip
 
 log = logging.getLogger("blobdata")
@@ -87,6 +87,9 @@ _FOLDED = (
 )  # fmt: skip
 SIZE = _PHIST0 + _PBUCKETS  # slots (8 bytes each); slot 1 holds SIZE, a layout check
 
+#: Slots a source's record keeps for itself alone: the loader's whole count has them from the main record.
+_OWN_SLOTS = (SERVED, FETCH_WAIT_S)
+
 #: Set while reads for the next epoch are started (tasks made in this context inherit it).
 _next_epoch: contextvars.ContextVar[bool] = contextvars.ContextVar("blobdata_next_epoch", default=False)
 
@@ -104,6 +107,27 @@ def for_next_epoch() -> Iterator[None]:
 def next_epoch() -> bool:
     """Whether the read running now is for the next epoch (:func:`for_next_epoch`)."""
     return _next_epoch.get()
+
+
+#: The source of a mixture whose work is being counted (-1: none; the process's main record). A
+#: mixture's sources count into records of their own (:func:`counting_for`), summed apart by
+#: :meth:`Records.by_source` and together by :meth:`Records.total`.
+_source: contextvars.ContextVar[int] = contextvars.ContextVar("blobdata_stats_source", default=-1)
+
+
+@contextlib.contextmanager
+def counting_for(source: int) -> Iterator[None]:
+    """Counts made inside (this thread, and tasks started inside) go to source ``source``'s record."""
+    token = _source.set(source)
+    try:
+        yield
+    finally:
+        _source.reset(token)
+
+
+def count_for(source: int) -> None:
+    """The rest of the running task counts for source ``source`` (call inside a task of its own)."""
+    _source.set(source)
 
 
 class Slots(Protocol):
@@ -128,6 +152,7 @@ class _Record:
 
 
 _rec = _Record()
+_sources: dict[int, _Record] = {}  # a mixture's sources' records in this process, by source number
 
 
 #: This process's requests in flight, and when that number last changed (``time.monotonic()``).
@@ -138,7 +163,9 @@ def _forget_in_child() -> None:
     # A forked child starts from zero and never writes into its parent's record.
     global _rec
     _process.orphan(_rec)
+    _process.orphan(list(_sources.values()))
     _rec = _Record()
+    _sources.clear()
     _inflight[:] = [0.0, 0.0]
 
 
@@ -146,17 +173,27 @@ _process.at_fork(after_in_child=_forget_in_child)
 
 
 def rec() -> Slots:
-    """This process's counters (index with the slot constants; ``v[SERVED] += n``)."""
-    return _rec.v
+    """This process's counters (index with the slot constants; ``v[SERVED] += n``): those of the
+    mixture's source being counted (:func:`counting_for`), if any."""
+    k = _source.get()
+    return _rec.v if k < 0 else _source_record(k)
 
 
-def attach(directory: str) -> None:
-    """Count this process's work from now on in a new record file in ``directory`` (a loader's plan
-    channel). Counts made before stay where they were: a loader's stats are its own processes' work."""
-    r = _rec
-    if r.directory == directory:
-        return
-    path = os.path.join(directory, f"stats-{_process.pid()}-{uuid.uuid4().hex[:8]}.bin")
+def _source_record(k: int) -> Slots:
+    r = _sources.get(k)
+    if r is None or r.directory != _rec.directory:
+        r = _Record()
+        if _rec.directory is not None:
+            mapped = _mapped(_rec.directory, f"-{k}")
+            if mapped is not None:
+                r.v, r.directory = mapped, _rec.directory
+        _sources[k] = r
+    return r.v
+
+
+def _mapped(directory: str, suffix: str = "") -> Slots | None:
+    """A new record file in ``directory``, mapped; None where it cannot be made."""
+    path = os.path.join(directory, f"stats-{_process.pid()}-{uuid.uuid4().hex[:8]}{suffix}.bin")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -166,9 +203,21 @@ def attach(directory: str) -> None:
             os.close(fd)
     except OSError as exc:  # a directory gone or full: keep counting privately
         log.debug("blobdata: stats record in %s unavailable: %s", directory, exc)
-        return
+        return None
     v = cast(Slots, memoryview(mm).cast("d"))
     v[0], v[1] = _MAGIC, float(SIZE)
+    return v
+
+
+def attach(directory: str) -> None:
+    """Count this process's work from now on in a new record file in ``directory`` (a loader's plan
+    channel). Counts made before stay where they were: a loader's stats are its own processes' work."""
+    r = _rec
+    if r.directory == directory:
+        return
+    v = _mapped(directory)
+    if v is None:
+        return
     v[INFLIGHT], v[RATE_LIMIT] = _inflight[0], r.v[RATE_LIMIT]
     r.v, r.directory = v, directory
 
@@ -192,19 +241,28 @@ class Records:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._retired = np.zeros(SIZE, dtype=np.float64)
+        self._retired: dict[int, np.ndarray] = {}  # by source (-1: the main records)
 
     def total(self) -> np.ndarray:
-        """The sum of every valid record, those of exited processes included."""
-        total: np.ndarray = self._retired.copy()
+        """The sum of every valid record, those of exited processes included (a mixture's sources'
+        too, but for the slots the main records count: :data:`_OWN_SLOTS`)."""
+        return combined(*self.by_source())
+
+    def by_source(self) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+        """The main records' sum, and each mixture source's (by source number)."""
+        sums: dict[int, np.ndarray] = {k: v.copy() for k, v in self._retired.items()}
         try:
             names = os.listdir(self.directory)
         except OSError:
-            return total
+            names = []
         for name in names:
-            parts = name.split("-")
-            if not (name.endswith(".bin") and len(parts) == 3 and parts[0] == "stats" and parts[1].isdigit()):
+            parts = name[:-4].split("-")  # stats-<pid>-<id>.bin, a source's stats-<pid>-<id>-<k>.bin
+            if not (name.endswith(".bin") and len(parts) in (3, 4) and parts[0] == "stats"):
                 continue
+            if not parts[1].isdigit() or (len(parts) == 4 and not parts[3].isdigit()):
+                continue
+            k = int(parts[3]) if len(parts) == 4 else -1
+            total = sums.setdefault(k, np.zeros(SIZE, dtype=np.float64))
             path = os.path.join(self.directory, name)
             try:
                 with open(path, "rb") as fh:
@@ -221,22 +279,38 @@ class Records:
             if dead:
                 arr = arr.copy()
                 arr[list(_GAUGES)] = 0.0  # nothing in flight, no limit seen: it is gone
-            rate_limit = max(total[RATE_LIMIT], arr[RATE_LIMIT])
-            total[2:] += arr[2:]
-            total[RATE_LIMIT] = rate_limit
+            _add(total, arr)
             if dead:  # it writes no more: fold it in
                 try:
                     os.unlink(path)
                 except OSError:
                     continue
-                self._retired[2:] += arr[2:]
-        return total
+                _add(self._retired.setdefault(k, np.zeros(SIZE, dtype=np.float64)), arr)
+        main = sums.pop(-1, None)
+        return (main if main is not None else np.zeros(SIZE, dtype=np.float64)), sums
+
+
+def combined(main: np.ndarray, sources: dict[int, np.ndarray]) -> np.ndarray:
+    """The whole loader's sum from :meth:`Records.by_source`'s parts (a source's own slots left out)."""
+    total: np.ndarray = main.copy()
+    for arr in sources.values():
+        part = arr.copy()
+        part[list(_OWN_SLOTS)] = 0.0
+        _add(total, part)
+    return total
+
+
+def _add(total: np.ndarray, arr: np.ndarray) -> None:
+    """``arr``'s counts into ``total`` (the rate limit a maximum)."""
+    rate_limit = max(total[RATE_LIMIT], arr[RATE_LIMIT])
+    total[2:] += arr[2:]
+    total[RATE_LIMIT] = rate_limit
 
 
 # -- hooks called on the data path -------------------------------------------------------------------
 def note_get(seconds: float, nbytes: int) -> None:
     """One GET answered in ``seconds`` with ``nbytes`` of body (called on the loop thread)."""
-    v = _rec.v
+    v = rec()
     v[GETS] += 1
     v[GET_S] += seconds
     v[BYTES_BUCKET] += nbytes
@@ -246,7 +320,7 @@ def note_get(seconds: float, nbytes: int) -> None:
 
 def note_peer(seconds: float, nbytes: int) -> None:
     """A peer answered a read in ``seconds`` with ``nbytes`` accepted (called on the loop thread)."""
-    v = _rec.v
+    v = rec()
     v[PEER_S] += seconds
     v[BYTES_PEER] += nbytes
     b = int(math.log2(seconds / _PBASE_S) * 2) if seconds > _PBASE_S else 0
@@ -255,12 +329,12 @@ def note_peer(seconds: float, nbytes: int) -> None:
 
 def note_retry(kind: str) -> None:
     """A transient failure of ``kind`` that will be retried (called on the loop thread)."""
-    _rec.v[_RETRY_SLOT.get(kind, R_OTHER)] += 1
+    rec()[_RETRY_SLOT.get(kind, R_OTHER)] += 1
 
 
 def note_throttled() -> None:
     """The store answered a request with throttling (429, 503 SlowDown / ServerBusy)."""
-    _rec.v[THROTTLED] += 1
+    rec()[THROTTLED] += 1
 
 
 def note_inflight(delta: int, now: float) -> None:
@@ -275,7 +349,7 @@ def note_inflight(delta: int, now: float) -> None:
 
 def note_rate_limit(rate: float) -> None:
     """The request rate (per second) the node's throttle controller allows now; 0: no limit."""
-    _rec.v[RATE_LIMIT] = rate
+    rec()[RATE_LIMIT] = rate
 
 
 class TimedCollate:

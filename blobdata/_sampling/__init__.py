@@ -8,6 +8,8 @@ module             its one job
 ``shares``         which samples each node reads, in plain numpy (no torch)
 ``partition``      :class:`PartitionedSampler`: each node reads one fixed share every epoch
 ``elastic``        :class:`ElasticDistributedSampler`: ``DistributedSampler``'s order, resumable anywhere
+``mixing``         a mixture's epoch as an exact plan: counts, draws, an even interleave (numpy)
+``mixsampler``     :class:`MixtureSampler`: a mixture's plan dealt to ranks (or nodes), resumable
 ``resume``         the loader's position (``state_dict``), resumed at another batch or world size
 ``peek``           the next epoch's batches before it begins (look-ahead across epochs)
 ``identity``       what makes a state this run's; a digest of the indices served (``compare_runs``)
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from .identity import ServedDigest, compare_runs, listing_digest, run_identity
 from .keyed import permute, round_keys
+from .mixing import checked_weights, largest_remainder, source_key
 from .rng import SampleDraws, enter_batch, epoch_seed, loader_seed, sample_key, sample_rng, uniforms
 from .rng import current as current_sample
 from .rng import enter as enter_sample
@@ -42,6 +45,7 @@ from .shares import (
 if TYPE_CHECKING:
     from .elastic import ElasticDistributedSampler
     from .elastic import node_share as epoch_share
+    from .mixsampler import MixtureSampler
     from .partition import PartitionedSampler
     from .peek import NextEpoch
     from .resume import Progress, own_generator
@@ -49,12 +53,14 @@ if TYPE_CHECKING:
 __all__ = [
     "ElasticDistributedSampler",
     "Layout",
+    "MixtureSampler",
     "NextEpoch",
     "PartitionedSampler",
     "Progress",
     "SampleDraws",
     "ServedDigest",
     "canonical_nodes",
+    "checked_weights",
     "compare_runs",
     "current_sample",
     "enter_batch",
@@ -63,6 +69,7 @@ __all__ = [
     "epoch_seed",
     "epoch_share",
     "fixed_order",
+    "largest_remainder",
     "leave_sample",
     "listing_digest",
     "loader_seed",
@@ -75,6 +82,7 @@ __all__ = [
     "run_identity",
     "sample_key",
     "sample_rng",
+    "source_key",
     "this_nodes_share",
     "uniforms",
 ]
@@ -89,6 +97,10 @@ def __getattr__(name: str) -> object:
         from .partition import PartitionedSampler
 
         return PartitionedSampler
+    if name == "MixtureSampler":
+        from .mixsampler import MixtureSampler
+
+        return MixtureSampler
     if name in ("ElasticDistributedSampler", "epoch_share"):
         from . import elastic
 

@@ -53,7 +53,7 @@ def run_identity(dataset: Any, sampler: Any, batch_size: int | None, kind: str) 
         "sampler": kind,
         "batch_size": batch_size,
     }
-    if kind in ("distributed", "elastic", "partitioned"):
+    if kind in ("distributed", "elastic", "partitioned", "mixture"):
         out["sampler_seed"] = int(sampler.seed)
         out["shuffle"] = bool(sampler.shuffle)
         out["drop_last"] = bool(sampler.drop_last)

@@ -32,19 +32,21 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .elastic import ElasticDistributedSampler
+from .mixsampler import MixtureSampler
 from .partition import PartitionedSampler
 
 __all__ = ["NextEpoch", "Prediction", "batched", "indices_of"]
 
 Packed = tuple[np.ndarray, np.ndarray]  # (flat, offsets), int64
-_KINDS = (SequentialSampler, RandomSampler, DistributedSampler, ElasticDistributedSampler, PartitionedSampler)
+_KINDS = (SequentialSampler, RandomSampler, DistributedSampler, ElasticDistributedSampler, PartitionedSampler,
+          MixtureSampler)  # fmt: skip
 
 
 def indices_of(sampler: Any) -> np.ndarray:
     """The indices ``iter(sampler)`` yields, drawn from the same generators in the same order, as
     int64: computed as arrays for the samplers of ``_KINDS`` (exactly those types), iterated otherwise."""
     kind = type(sampler)
-    if kind in (ElasticDistributedSampler, PartitionedSampler):
+    if kind in (ElasticDistributedSampler, PartitionedSampler, MixtureSampler):
         return np.ascontiguousarray(sampler.indices(), dtype=np.int64)  # what their __iter__ lists
     if kind is SequentialSampler:
         return np.arange(len(sampler.data_source), dtype=np.int64)
@@ -203,6 +205,8 @@ class NextEpoch:
             if isinstance(clone, PartitionedSampler):
                 clone.consumed = []
                 clone._memo = None
+            if isinstance(clone, MixtureSampler):
+                clone.forget()
         return Prediction(batch_sampler, clone)
 
     def batches(self, batch_sampler: Any) -> list[list[int]] | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import binascii
 import copy
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -39,14 +40,18 @@ from torch.utils.data.distributed import DistributedSampler
 from .._errors import ConfigError
 from .elastic import ElasticDistributedSampler, equivalent
 from .identity import ORDER, ServedDigest, differences
+from .mixsampler import MixtureSampler
 from .partition import PartitionedSampler
 from .peek import batched, indices_of
 from .rng import epoch_seed
 
 __all__ = ["STATE_VERSION", "Progress", "own_generator"]
 
+log = logging.getLogger("blobdata")
+
 STATE_VERSION = 3  # 3: the samples read (another batch size resumes), a DistributedSampler's start
 _READS = (1, 2, STATE_VERSION)
+_OWN_ORDER = ("elastic", "partitioned", "mixture")  # samplers that leave out what a resumed epoch read
 
 
 def own_generator() -> torch.Generator:
@@ -70,7 +75,7 @@ def _decode(text: Any) -> torch.Tensor:
 
 def capture(sampler: Any) -> dict[str, Any]:
     """The sampler's state needed to replay its next epoch (JSON-friendly)."""
-    if isinstance(sampler, PartitionedSampler):
+    if isinstance(sampler, (PartitionedSampler, MixtureSampler)):
         return sampler.loader_state()
     if isinstance(sampler, ElasticDistributedSampler):
         state = {"kind": "elastic", "seed": sampler.seed, "epoch": sampler.epoch, "start": sampler.start}
@@ -276,11 +281,11 @@ class Progress:
         else:
             sampler = capture(self.sampler)
         samples = 0 if complete else self.samples
-        if not complete and (sampler["kind"] == "elastic" or "start" in sampler):  # a global position
+        if not complete and sampler["kind"] in ("partitioned", "mixture"):  # what each layout read
+            sampler, samples = self.sampler.state_after(sampler, samples), 0
+        elif not complete and (sampler["kind"] == "elastic" or "start" in sampler):  # a global position
             n = len(self.sampler.dataset)
             sampler["start"], samples = min(n, int(sampler.get("start", 0)) + samples * self.world_size()), 0
-        if not complete and sampler["kind"] == "partitioned":  # what each layout read
-            sampler, samples = self.sampler.state_after(sampler, samples), 0
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
@@ -313,6 +318,8 @@ class Progress:
             samples = _samples(state, batches)
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"blobdata loader state is missing or has a bad field: {exc}") from None
+        if isinstance(self.sampler, MixtureSampler):  # other sources: refused whatever strict, named
+            self.sampler.check_state(state)
         self._check_run(state, strict, complete)
         here = capture(self.sampler)
         if saved.get("kind") != here["kind"]:
@@ -339,16 +346,25 @@ class Progress:
             self.sampler.set_epoch(int(saved["epoch"]))
         if kind == "partitioned":
             self.sampler.load_loader_state(saved, complete=complete)
+        if kind == "mixture":  # other weights: asked for by the mixture (said at INFO), or strict=False
+            asked = bool(getattr(self.sampler.dataset, "reweight_on_resume", False))
+            said = self.sampler.load_loader_state(saved, complete=complete, reweight=asked or not strict)
+            if said is not None:
+                text = f"resuming a mixture's state saved with other {said}: the rest follows this mixture's"
+                if asked:
+                    log.info("blobdata: %s", text)
+                else:
+                    warnings.warn(text, UserWarning, stacklevel=3)
         resume = None if complete else _Resume(state, saved, samples)
         if resume is not None:
             resume.whole = whole
             if kind == "elastic":  # the sampler itself leaves out what was read, at any world size
                 self.sampler.start, resume.samples = int(saved["start"]), 0
-            elif kind == "partitioned":
+            elif kind in ("partitioned", "mixture"):
                 resume.samples = 0
             elif kind == "distributed" and (saved_world != self.world_size() or "start" in saved):
                 resume.start, resume.samples = self._equivalent_start(saved, saved_world, samples), 0
-            if type(self.batch_sampler) is not BatchSampler and kind not in ("elastic", "partitioned"):
+            if type(self.batch_sampler) is not BatchSampler and kind not in _OWN_ORDER:
                 self._whole_batches_only(state, resume)
         if kind == "generator" and complete:
             self.sampler.generator.set_state(_decode(saved["state"]))
@@ -457,7 +473,7 @@ def _moved_on(sampler: Any, resume: _Resume) -> bool:
 
 def _leaves_out(sampler: Any) -> bool:
     """Whether ``sampler`` now leaves out the start of a resumed epoch (elastic or partitioned)."""
-    if isinstance(sampler, PartitionedSampler):
+    if isinstance(sampler, (PartitionedSampler, MixtureSampler)):
         return bool(sampler.consumed)
     return getattr(sampler, "start", 0) > 0
 
@@ -466,5 +482,7 @@ def _forget_consumed(sampler: Any) -> None:
     """``sampler`` yields whole epochs again (no resumed epoch's start left out)."""
     if isinstance(sampler, PartitionedSampler):
         sampler.consumed = []
+    elif isinstance(sampler, MixtureSampler):
+        sampler.forget()
     elif isinstance(sampler, ElasticDistributedSampler):
         sampler.start = 0

@@ -5,12 +5,13 @@ ranks by running this same command line again.
 
     python -m tests.support.lightning_app ROOT --log DIR [--devices 2] [--epochs 2] [--crash-at 5]
         [--ckpt-dir DIR] [--resume CKPT] [--sampler elastic|lightning] [--predict] [--stateful]
-        [--strategy ddp]
+        [--strategy ddp] [--mixture]
 
 Sample ids are the objects' first 16 bytes (``f"{id:016d}"``), which are the example model's features.
 ``--crash-at K`` saves a checkpoint after step K (as ``ModelCheckpoint`` does, in
 ``on_train_batch_end``) and then fails the run; ``--resume`` is that checkpoint. ``--stateful`` wraps
-the same dataset and sampler in torchdata's ``StatefulDataLoader`` instead, to compare.
+the same dataset and sampler in torchdata's ``StatefulDataLoader`` instead, to compare. ``--mixture``
+reads a ``blobdata.Mixture`` of ROOT/a and ROOT/b (weights 1 and 3) through ``mix.dataloader()``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 
 import lightning as L
 import torch
+
+from blobdata import Mixture
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
@@ -48,6 +51,12 @@ class Recorded(example.Toy):  # type: ignore[misc,name-defined]
     def __init__(self, log: Path) -> None:
         super().__init__()
         self.log = log
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):  # a mixture's sources share their classes here
+            ds = self.trainer.datamodule.ds  # (none where --predict alone made the model's net)
+            classes = ds.sources["a"].classes if hasattr(ds, "sources") else ds.classes
+            self.net = torch.nn.Linear(16, len(classes))
 
     def _write(self, record: dict[str, Any]) -> None:
         with open(self.log / f"rank{self.global_rank}.jsonl", "a") as fh:
@@ -91,6 +100,16 @@ class StatefulData(example.BucketData):  # type: ignore[misc,name-defined]
         )
 
 
+class MixtureData(example.BucketData):  # type: ignore[misc,name-defined]
+    def setup(self, stage: str) -> None:
+        root = Path(self.url)
+        sources = {k: example.FolderDataset(str(root / k), loader=example.first_bytes) for k in "ab"}
+        self.ds = Mixture(sources, {"a": 1, "b": 3})
+
+    def train_dataloader(self) -> Any:
+        return self.ds.dataloader(batch_size=self.batch_size, num_workers=self.num_workers)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("root")
@@ -107,10 +126,11 @@ def main() -> None:
     p.add_argument("--fit", action="store_true")
     p.add_argument("--stateful", action="store_true")
     p.add_argument("--strategy", default="auto")
+    p.add_argument("--mixture", action="store_true")
     args = p.parse_args()
     args.log.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    cls = StatefulData if args.stateful else example.BucketData
+    cls = StatefulData if args.stateful else MixtureData if args.mixture else example.BucketData
     data = cls(args.root, batch_size=args.batch_size, num_workers=args.workers, sampler=args.sampler)
     callbacks = [Crash(args.crash_at, args.ckpt)] if args.crash_at else []
     trainer = L.Trainer(

@@ -23,9 +23,9 @@ def main() -> None:
     import torch.distributed as dist
 
     from blobdata._listing import help_list, job, load_or_list, load_or_list_flat, shared_manifest
+    from blobdata._stores.s3 import listing as s3_listing
 
     split = job.split  # white-box: its page packing is wrapped to record the pages
-    from blobdata._stores.s3 import listing as s3_listing
 
     if mode == "group":
         dist.init_process_group("gloo")
