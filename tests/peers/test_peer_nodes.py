@@ -86,6 +86,36 @@ def test_a_global_shuffle_reads_each_object_from_the_bucket_once_then_from_the_n
     assert sum(e["stats"]["peers_served"] for r in results for e in r["epochs"]) > 0
 
 
+def test_a_mixtures_sources_share_the_nodes_caches(tmp_path: Path, s3_bucket: Any, s3_proxy: Any) -> None:
+    """A Mixture of two sources (each a dataset with peers: one meeting, each root served by the node's
+    service), dealt by MixtureSampler to 3 nodes: after its first epoch nothing is read from the bucket
+    again, what a node is not home for comes from its home, every byte right."""
+    digests, options, store = _setup(s3_bucket, s3_proxy)
+    specs = _specs(
+        tmp_path, "mix", store, 3, s3_bucket.url("train"), options, epochs=[0, 1, 2], kind="mixture"
+    )
+    results, gets = run_nodes(tmp_path, store, specs, s3_proxy)
+    assert all(r is not None for r in results), [log_of(s) for s in specs]
+    _check_bytes(results, digests)
+    mixed = [i for i in range(N) if i % 3 in (0, 1)]  # c0 and c1, in the plan's proportions: all of each
+    for k in range(3):  # each epoch all of both (padded to a multiple of 3, as DistributedSampler pads)
+        read = _epoch(results, k)
+        assert sorted(set(read)) == mixed and len(read) == len(mixed) + (-len(mixed) % 3)
+    hedged = [sum(r["epochs"][k]["stats"]["peer_hedged"] for r in results) for k in range(3)]
+    assert len(mixed) <= gets["1"] <= len(mixed) + hedged[0]
+    assert gets["2"] <= hedged[1] and gets["end"] <= hedged[2]
+    home = _homes(s3_bucket, 3)
+    for rank, r in enumerate(results):
+        for e in r["epochs"][1:]:
+            s = e["stats"]
+            mine = sum(home[i] == rank for i, _ in e["samples"])
+            assert s["samples_from_cache"] == mine
+            assert s["samples_from_peers"] + s["samples_from_bucket"] == len(e["samples"]) - mine
+            assert s["samples_from_peers"] > 0 and s["peer_wrong"] == 0
+            # Each source's own figures hold its reads from peers (counted in its record).
+            assert s["a/samples_from_peers"] + s["b/samples_from_peers"] == s["samples_from_peers"]
+
+
 def test_a_peer_killed_mid_epoch_costs_only_bucket_reads(
     tmp_path: Path, s3_bucket: Any, s3_proxy: Any
 ) -> None:

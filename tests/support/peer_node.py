@@ -3,7 +3,7 @@
 ``SPEC`` is a JSON file (test credentials only)::
 
     {"url", "storage_options", "store": [host, port], "job", "nnodes", "node_rank", "host",
-     "port", "advertise" (optional), "cache", "cache_size", "kind": "folder" | "blob",
+     "port", "advertise" (optional), "cache", "cache_size", "kind": "folder" | "blob" | "mixture",
      "sampler": "elastic" | "distributed", "world", "epochs": [0, 1], "batch_size", "workers",
      "stop_after" (batches of the last epoch, optional), "state_in", "state_out" (paths, optional),
      "die_after" ([epoch, batches]: SIGKILL itself there, optional), "out"}
@@ -63,17 +63,31 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     cache = BlobCache(spec["cache"], size_limit=spec.get("cache_size", "1GB"))
     options = spec["storage_options"]
-    if spec.get("kind", "folder") == "blob":
+    kind = spec.get("kind", "folder")
+    if kind == "blob":
         ds: Any = BlobDataset(spec["url"], decoders=False, storage_options=options, cache=cache, peers=peers)
+    elif kind == "mixture":  # two sources (two class folders), each read once an epoch, one meeting
+        from blobdata import Mixture
+
+        a, b = (
+            BlobDataset(f"{spec['url']}/{c}", decoders=False, storage_options=options, cache=cache,
+                        peers=peers)
+            for c in ("c0", "c1")
+        )  # fmt: skip
+        ds = Mixture({"a": a, "b": b}, {"a": len(a), "b": len(b)})
     else:
         ds = FolderDataset(
             spec["url"], loader=raw, extensions=(".bin",), storage_options=options, cache=cache, peers=peers
         )
     world, rank = spec.get("world", spec["nnodes"]), spec["node_rank"]
-    if spec.get("sampler", "elastic") == "distributed":
+    if kind == "mixture":
+        from blobdata import MixtureSampler
+
+        sampler: Any = MixtureSampler(ds, num_replicas=world, rank=rank, seed=7, nproc_per_node=1)
+    elif spec.get("sampler", "elastic") == "distributed":
         from torch.utils.data.distributed import DistributedSampler
 
-        sampler: Any = DistributedSampler(ds, num_replicas=world, rank=rank, seed=7)
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, seed=7)
     else:
         sampler = ElasticDistributedSampler(ds, num_replicas=world, rank=rank, seed=7)
     loader = ds.dataloader(
