@@ -148,9 +148,8 @@ class _Conn(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
-        t.write(render(reply, close=close))
-        if reply.body:
-            t.write(reply.body)
+        # Head and body in one write: one send for an answer, not a head a reader may see alone.
+        t.writelines((render(reply, close=close), reply.body))
         if close:
             self._close()
         elif self.buf and not self.paused:
