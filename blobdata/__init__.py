@@ -42,6 +42,7 @@ from ._errors import (
 from ._listing import Manifest
 from ._listing import load_or_list as list_folder
 from ._metrics import LoaderStats
+from ._peers import Peers
 from ._sampling import compare_runs, sample_rng
 
 if _TYPE_CHECKING:
@@ -96,6 +97,7 @@ __all__ = [
     "NotFound",
     "ObjectChanged",
     "PartitionedSampler",
+    "Peers",
     "Throttled",
     "WarmSummary",
     "__version__",

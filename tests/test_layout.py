@@ -30,12 +30,13 @@ ALLOWED: dict[str, set[str]] = {
     "_tables": {"_fetch", "_stores"},
     "_listing": {"_fetch", "_metrics", "_node", "_stores", "_tables"},
     "_sampling": {"_listing"},
+    "_peers": {"_cache", "_listing", "_metrics", "_node", "_stores"},
     "transforms": {"_decode", "_sampling"},
     "gpu": {"_metrics", "_decode", "_sampling", "transforms"},
     "testing": {"gpu", "transforms", "_decode"},
     "_dataset": {
-        "_cache", "_decode", "_fetch", "_listing", "_metrics", "_node", "_sampling", "_stores", "gpu",
-        "transforms",
+        "_cache", "_decode", "_fetch", "_listing", "_metrics", "_node", "_peers", "_sampling", "_stores",
+        "gpu", "transforms",
     },
     "_cli": {
         "_cache", "_dataset", "_decode", "_fetch", "_listing", "_metrics", "_node", "_sampling", "_stores",

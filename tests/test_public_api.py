@@ -33,6 +33,7 @@ def test_all_is_sorted_and_exact() -> None:
         "NotFound",
         "ObjectChanged",
         "PartitionedSampler",
+        "Peers",
         "Throttled",
         "WarmSummary",
         "__version__",

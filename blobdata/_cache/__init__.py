@@ -60,7 +60,7 @@ its size bound is stored in it and changes only upwards unless shrunk on purpose
 from .cache import BlobCache, CacheStats
 from .index import SLACK_BYTES, WAL_SLACK_BYTES, Policy
 from .trim import DEFAULT_LIMIT, MIN_LIMIT, parse_limit
-from .values import DB_NAME
+from .values import DB_NAME, checksum, verify
 from .writer import CacheWriter
 
 __all__ = [
@@ -73,5 +73,7 @@ __all__ = [
     "CacheStats",
     "CacheWriter",
     "Policy",
+    "checksum",
     "parse_limit",
+    "verify",
 ]

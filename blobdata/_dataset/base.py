@@ -32,12 +32,14 @@ from .._fetch import LookAhead, PlanChannel
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
+from .._peers import Peers, PeerTable
 from .._stores import network_mount, redact
 from .._url import parse_url, printable
 from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
+from .peering import join_peers, read_from_home
 from .reads import PENDING, Objects, ProcessState, read_batch
-from .settings import LEGACY_KEYWORDS, legacy_keywords, resolve_cache
+from .settings import LEGACY_KEYWORDS, legacy_keywords, named_sampler, resolve_cache
 
 __all__ = ["LEGACY_KEYWORDS", "BlobDatasetBase", "OnError", "legacy_keywords", "resolve_cache"]
 
@@ -65,9 +67,11 @@ class BlobDatasetBase:
         fetch_options: FetchOptions | None,
         lookahead: int | None = None,
         lookahead_bytes: int | str | None = None,
+        peers: bool | Peers | None = None,
     ) -> str | os.PathLike[str]:
         """Set the settings every dataset has; returns the root as given (``~`` expanded). ``lookahead``
-        and ``lookahead_bytes``, when given, are the former spellings of FetchOptions' own."""
+        and ``lookahead_bytes``, when given, are the former spellings of FetchOptions' own. ``peers``:
+        meet the job's other nodes (:mod:`blobdata._peers`; a collective call, as the listing is)."""
         given = os.path.expanduser(root) if isinstance(root, str) else root
         url = parse_url(given)
         self._url = str(url)
@@ -96,6 +100,7 @@ class BlobDatasetBase:
         # the next epoch's first batches); forked workers find it in their copy. Never pickled.
         self._handoff: dict[int, Any] = {}
         self._proc: ProcessState | None = None
+        self._peers: PeerTable | None = join_peers(self, peers, cache)
         return given
 
     # -- what a dataset says -----------------------------------------------------------------------
@@ -297,6 +302,8 @@ class BlobDatasetBase:
                 v[_stats.N_FROM_CACHE if _stats.next_epoch() else _stats.FROM_CACHE] += 1
                 v[_stats.BYTES_CACHE] += len(data)
                 return data, identity
+        if proc.peers is not None and identity and size is not None:  # from its home node's cache
+            return await read_from_home(proc, proc.peers, url, size, identity), identity
         data, got = await proc.engine.fetch(url, size=size, identity=None if unknown else identity)
         v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
         key = got if unknown else identity
@@ -455,7 +462,7 @@ class BlobDatasetBase:
         on the CPU. Needs ``pip install 'blobdata[gpu]'`` for CUDA; see :mod:`blobdata.gpu`.
         """
         if isinstance(kwargs.get("sampler"), str):
-            kwargs["sampler"] = _named_sampler(self, kwargs["sampler"], shuffle)
+            kwargs["sampler"] = named_sampler(self, kwargs["sampler"], shuffle)
             shuffle = None
         # All by keyword: Lightning re-makes a loader from the arguments it was made with, adding its
         # own sampler= and shuffle=, which must not collide with positional ones.
@@ -488,13 +495,3 @@ class BlobDatasetBase:
             if proc.cache is not None:
                 proc.cache.close()
             proc.close_engine()
-
-
-def _named_sampler(ds: BlobDatasetBase, name: str, shuffle: bool | None) -> Any:
-    if name != "partitioned":  # dataloader(sampler="partitioned"): the job's PartitionedSampler, seed 0
-        raise ConfigError(f'sampler= takes a sampler or "partitioned", got {name!r}')
-    from .._sampling import PartitionedSampler
-
-    sampler = PartitionedSampler(ds, shuffle=shuffle is not False)
-    sampler.owned_by_loader = True  # the loader moves its epoch on, unless set_epoch is called
-    return sampler

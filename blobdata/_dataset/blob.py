@@ -28,6 +28,7 @@ from .._decode import IMAGE_EXTENSIONS, Sample, decode_member, decoders_for, ext
 from .._errors import BlobdataError, ConfigError, DecodeError, ManifestError, NotFound
 from .._listing import Manifest, SampleTable, build_table
 from .._metrics import stats as _stats
+from .._peers import Peers
 from .._sampling import enter_batch, leave_sample
 from .._stores import list_requests, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
@@ -74,7 +75,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
     receives the dict and returns the sample. The other keyword settings are
     :class:`~blobdata.FolderDataset`'s: ``storage_options``, ``cache``, ``manifest`` (a saved listing),
     ``refresh``, ``listing_max_age``, ``on_error``, ``fetch_options``, ``lookahead``, ``lookahead_bytes``,
-    ``share_listing``; :meth:`dataloader`, ``state_dict``, ``PartitionedSampler``, ``stats()`` and
+    ``share_listing``, ``peers``; :meth:`dataloader`, ``state_dict``, ``PartitionedSampler``, ``stats()`` and
     ``blobdata.warm(ds)`` work as with it. On the device path (``dataloader(device=, gpu_transform=)``)
     each sample's one image member goes to the device and the rest of the dict, through ``transform``,
     is the target.
@@ -98,6 +99,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
         share_listing: bool = True,
         lookahead: int | None = None,
         lookahead_bytes: int | str | None = None,
+        peers: bool | Peers | None = None,
     ) -> None:
         self.root = self._setup(
             url,
@@ -107,6 +109,7 @@ class BlobDataset(BlobDatasetBase, torch.utils.data.Dataset[dict[str, Any]]):
             fetch_options=fetch_options,
             lookahead=lookahead,
             lookahead_bytes=lookahead_bytes,
+            peers=peers,
         )
         self.transform = transform
         self._decoders = decoders_for(decoders)

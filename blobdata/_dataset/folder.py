@@ -25,6 +25,7 @@ from .._decode import decode, decode_with, default_loader
 from .._errors import BlobdataError, ConfigError
 from .._listing import Manifest, help_list, listing_params, load_or_list, shared_manifest
 from .._metrics import stats as _stats
+from .._peers import Peers
 from .._sampling import enter_batch, leave_sample, this_nodes_share
 from .._stores import list_requests, resolve_storage_options
 from ..gpu._jpeg import prepare as prepare_raw
@@ -79,6 +80,10 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
     share_listing:    under torchrun or an initialised process group, the ranks list the bucket
                       together (each a part; rank 0 joins) and every rank gets the one manifest
                       (default True; a collective call: pass False for a dataset made on one rank only).
+    peers:            the job's nodes serve each other their caches (:class:`~blobdata.Peers`; True for
+                      its defaults): a sample this node's cache misses is read from the node that is
+                      its home (CoorDL's partitioned caching, under any sampler). Needs ``cache=``.
+                      Default None: ``BLOBDATA_PEERS=1`` turns it on; off otherwise. See docs/peers.md.
     skip_hidden:      skip class folders whose name starts with ``.`` or ``__`` (``.ipynb_checkpoints``,
                       macOS's ``__MACOSX``), as Hugging Face does (default False: they are classes, as in
                       torchvision's ImageFolder, with a warning naming each).
@@ -115,6 +120,7 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         share_listing: bool = True,
         skip_hidden: bool = False,
         node_share: bool | Mapping[str, int] = False,
+        peers: bool | Peers | None = None,
         **legacy: Any,
     ) -> None:
         old = legacy_keywords("FolderDataset", legacy)
@@ -126,6 +132,7 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
             fetch_options=fetch_options,
             lookahead=old.get("lookahead"),
             lookahead_bytes=old.get("lookahead_bytes"),
+            peers=peers,
         )
         self.root = given  # as given, as ImageFolder keeps it; the canonical URL is `url`
         self.transform = transform

@@ -28,6 +28,7 @@ from .._errors import BlobdataError
 from .._fetch import IN_FLIGHT, FetchEngine, LookAhead
 from .._loop import submit
 from .._metrics import stats as _stats
+from .._peers import PeerClient, PeerTable
 from .._stores import read_local_file, resolve_storage_options
 from .ahead import BuiltAhead
 
@@ -43,6 +44,7 @@ class Dataset(Protocol):
     _storage_options: dict[str, Any]
     cache: BlobCache | None
     fetch_options: FetchOptions
+    _peers: PeerTable | None
 
     def __len__(self) -> int: ...
 
@@ -83,6 +85,9 @@ class ProcessState:
         # The dataset's BlobCache (checked usable at construction) reopens its index in each process.
         self.cache: BlobCache | None = ds.cache
         self.writer = CacheWriter(self.cache, on_stored=_count_stored) if self.cache is not None else None
+        # Peers on: what this node is not home for is asked of its home node first.
+        table = getattr(ds, "_peers", None)
+        self.peers = PeerClient(table) if table is not None else None
         self.lookahead: LookAhead | None = None
         self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
         self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
@@ -92,6 +97,8 @@ class ProcessState:
         #: The samples this process read from the cache, under "admit" (where entries stay until trimmed
         #: or cleared): the look-ahead does not look them up again.
         self.held = Held(len(ds)) if self.cache is not None and self.cache.policy == "admit" else None
+        if self.peers is not None:  # its connections to the peers, closed as the engine's are
+            weakref.finalize(self, _close_peers, self.peers, self.pid)
 
     @property
     def engine(self) -> FetchEngine:
@@ -151,6 +158,12 @@ def _close_engine(engine: FetchEngine, pid: int) -> None:
     if _process.pid() == pid:
         with contextlib.suppress(RuntimeError):  # interpreter shutting down: the loop is gone
             submit(engine.aclose())
+
+
+def _close_peers(peers: PeerClient, pid: int) -> None:
+    if _process.pid() == pid:
+        with contextlib.suppress(RuntimeError):
+            submit(peers.aclose())
 
 
 def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:

@@ -1,4 +1,5 @@
-"""A dataset's settings as given: the keywords earlier releases took, the cache argument."""
+"""A dataset's settings as given: the keywords earlier releases took, the cache argument, a sampler
+named to ``dataloader()``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Literal
 from .._cache import BlobCache
 from .._errors import ConfigError
 
-__all__ = ["LEGACY_KEYWORDS", "legacy_keywords", "resolve_cache"]
+__all__ = ["LEGACY_KEYWORDS", "legacy_keywords", "named_sampler", "resolve_cache"]
 
 
 #: Keyword arguments datasets still accept besides their signature: the look-ahead's former
@@ -54,3 +55,14 @@ def resolve_cache(
     if not isinstance(cache, (str, os.PathLike)):
         raise ConfigError(f"cache must be a directory or a BlobCache, got {type(cache).__name__}")
     return BlobCache(cache)
+
+
+def named_sampler(ds: Any, name: str, shuffle: bool | None) -> Any:
+    """The sampler ``dataloader(sampler=name)`` names: ``"partitioned"``, the job's PartitionedSampler."""
+    if name != "partitioned":  # dataloader(sampler="partitioned"): the job's PartitionedSampler, seed 0
+        raise ConfigError(f'sampler= takes a sampler or "partitioned", got {name!r}')
+    from .._sampling import PartitionedSampler
+
+    sampler = PartitionedSampler(ds, shuffle=shuffle is not False)
+    sampler.owned_by_loader = True  # the loader moves its epoch on, unless set_epoch is called
+    return sampler

@@ -13,10 +13,14 @@ from .stats import (
     _BUCKETS,
     _FOLDED,
     _HIST0,
+    _PBASE_S,
+    _PBUCKETS,
+    _PHIST0,
     BATCHES,
     BUILT_AHEAD,
     BYTES_BUCKET,
     BYTES_CACHE,
+    BYTES_PEER,
     CACHE_DROPPED,
     CACHE_S,
     CACHE_STORED,
@@ -28,12 +32,22 @@ from .stats import (
     FETCH_WAIT_S,
     FROM_BUCKET,
     FROM_CACHE,
+    FROM_PEER,
     GET_S,
     GETS,
     INFLIGHT,
     INFLIGHT_S,
     N_FROM_BUCKET,
     N_FROM_CACHE,
+    N_FROM_PEER,
+    PEER_FALLBACK,
+    PEER_HEDGED,
+    PEER_REFUSED,
+    PEER_S,
+    PEER_SERVED,
+    PEER_SERVED_BYTES,
+    PEER_SERVED_FETCHED,
+    PEER_WRONG,
     R_CONNECTION,
     R_OTHER,
     R_SERVER,
@@ -49,16 +63,17 @@ from .stats import (
 )  # fmt: skip
 
 __all__ = [
-    "INPUT_BOUND", "THROTTLED_SHARE", "LoaderStats", "limiting_source", "stages", "throttle_bound", "verdict",
+    "INPUT_BOUND", "THROTTLED_SHARE", "LoaderStats", "limiting_source", "peers_bound", "stages",
+    "throttle_bound", "verdict",
 ]  # fmt: skip
 
 
-def _quantile(hist: np.ndarray, q: float) -> float:
+def _quantile(hist: np.ndarray, q: float, base: float = _BASE_S, per_octave: int = 4) -> float:
     n = float(hist.sum())
     if n <= 0:
         return 0.0
     b = int(np.searchsorted(np.cumsum(hist), q * n))
-    return _BASE_S * 2 ** ((min(b, _BUCKETS - 1) + 0.5) / 4)  # the bucket's geometric middle
+    return base * 2 ** ((min(b, len(hist) - 1) + 0.5) / per_octave)  # the bucket's geometric middle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +85,14 @@ class LoaderStats:
     (worker start-up included), out of ``elapsed_s`` spent iterating. ``samples`` is the samples of the
     batches the loop received (skipped ones left out); ``samples_made`` the workers' count, which also
     holds the batches made ahead and waiting for the loop (the DataLoader's prefetch).
-    ``samples_from_cache + samples_from_bucket`` is the objects read for this epoch's samples (equal to
-    ``samples`` after whole epochs with no bad sample); ``samples_staged`` of them had been fetched
-    ahead, and ``read_for_next_epoch`` objects were read for the next epoch's first batches before it
-    began (counted apart, so that an epoch's hit rate is its own). ``list_requests`` is the LIST
-    requests the dataset's listing took (0: a remembered listing, or an index). ``batches_built_ahead`` is
-    the batches a persistent worker had made while idle at an epoch's end (its first of the next
-    epoch, see :mod:`blobdata._dataset.ahead`). ``hit_rate`` is the cache's
-    share of those reads. ``cache_writes`` is the objects the loader's processes put in the cache;
+    ``samples_from_cache + samples_from_peers + samples_from_bucket`` is the objects read for this
+    epoch's samples (equal to ``samples`` after whole epochs with no bad sample); ``samples_staged`` of
+    them had been fetched ahead, and ``read_for_next_epoch`` objects were read for the next epoch's
+    first batches before it began (counted apart, so that an epoch's hit rate is its own).
+    ``list_requests`` is the LIST requests the dataset's listing took (0: a remembered listing, or an
+    index). ``batches_built_ahead`` is the batches a persistent worker had made while idle at an
+    epoch's end (its first of the next epoch, see :mod:`blobdata._dataset.ahead`). ``hit_rate`` is the
+    cache's share of those reads. ``cache_writes`` is the objects the loader's processes put in the cache;
     ``cache_writes_dropped`` those they fetched but did not cache because the cache's background
     writer had ``max_bytes`` queued already (the disk or the index was slower than the fetches; such
     objects are fetched from the bucket again next epoch). GET latencies (seconds) come from a
@@ -90,6 +105,14 @@ class LoaderStats:
     (``throttled_share`` of those answered); ``concurrency`` the requests in flight now, and
     ``concurrency_mean`` on average while iterating; ``rate_limit`` the requests/s the node's throttle
     controller allows the store now (0: no limit; see :mod:`blobdata._fetch.throttle`).
+    With peers (:class:`blobdata.Peers`), ``samples_from_peers`` objects came from another node's cache
+    (``bytes_from_peers``; answer latency ``peer_mean_s``, ``peer_p50_s``, ``peer_p99_s``, from a histogram
+    with 41% wide buckets), ``peer_fallbacks`` reads went to the bucket instead (the peer down, busy,
+    refusing, or wrong: ``peer_wrong`` answers were refused for their bytes or signature), and
+    ``peer_hedged`` bucket reads were started because a peer was slower than usual; a process that runs
+    its node's service counts what it answered (``peers_served``, ``peers_served_bytes``), the objects
+    it read from the bucket for them (``peers_served_fetched``) and the requests it refused
+    (``peers_refused``).
     :meth:`as_dict` gives the flat ``{name: number}`` that TensorBoard, Lightning or Prometheus take.
 
     A :class:`~blobdata.Mixture`'s loader has ``sources``: each source's own figures (a
@@ -105,12 +128,14 @@ class LoaderStats:
     list_requests: int = 0
     samples_from_cache: int = 0
     samples_from_bucket: int = 0
+    samples_from_peers: int = 0
     samples_staged: int = 0
     errors_skipped: int = 0
     batches: int = 0
     batches_built_ahead: int = 0
     bytes_from_bucket: int = 0
     bytes_from_cache: int = 0
+    bytes_from_peers: int = 0
     hit_rate: float = 0.0
     gets: int = 0
     get_mean_s: float = 0.0
@@ -127,6 +152,16 @@ class LoaderStats:
     concurrency: float = 0.0
     concurrency_mean: float = 0.0
     rate_limit: float = 0.0
+    peer_mean_s: float = 0.0
+    peer_p50_s: float = 0.0
+    peer_p99_s: float = 0.0
+    peer_fallbacks: int = 0
+    peer_hedged: int = 0
+    peer_wrong: int = 0
+    peers_served: int = 0
+    peers_served_bytes: int = 0
+    peers_served_fetched: int = 0
+    peers_refused: int = 0
     cache_writes: int = 0
     cache_writes_dropped: int = 0
     device_decoded: int = 0
@@ -170,23 +205,27 @@ class LoaderStats:
         made = int(t[SERVED])
         # The loop's own count: samples made ahead (the DataLoader's prefetch) are not yet served.
         served = made if loop_samples is None else max(0, min(made, loop_samples - int(t[ERRORS])))
-        reads = t[FROM_CACHE] + t[FROM_BUCKET]
+        reads = t[FROM_CACHE] + t[FROM_BUCKET] + t[FROM_PEER]
         per = 1.0 / served if served else 0.0
         retries = [int(t[i]) for i in (R_THROTTLE, R_SERVER, R_TIMEOUT, R_CONNECTION, R_SHORT_READ, R_OTHER)]
         hist = t[_HIST0 : _HIST0 + _BUCKETS]
+        peer_hist = t[_PHIST0 : _PHIST0 + _PBUCKETS]
+        answered_by_peers = float(peer_hist.sum())
         return cls(
             samples=served,
             samples_made=made,
-            read_for_next_epoch=int(t[N_FROM_CACHE] + t[N_FROM_BUCKET]),
+            read_for_next_epoch=int(t[N_FROM_CACHE] + t[N_FROM_BUCKET] + t[N_FROM_PEER]),
             list_requests=list_requests,
             samples_from_cache=int(t[FROM_CACHE]),
             samples_from_bucket=int(t[FROM_BUCKET]),
+            samples_from_peers=int(t[FROM_PEER]),
             samples_staged=int(t[STAGED]),
             errors_skipped=int(t[ERRORS]),
             batches=int(t[BATCHES]),
             batches_built_ahead=int(t[BUILT_AHEAD]),
             bytes_from_bucket=int(t[BYTES_BUCKET]),
             bytes_from_cache=int(t[BYTES_CACHE]),
+            bytes_from_peers=int(t[BYTES_PEER]),
             hit_rate=float(t[FROM_CACHE] / reads) if reads else 0.0,
             gets=int(t[GETS]),
             get_mean_s=float(t[GET_S] / t[GETS]) if t[GETS] else 0.0,
@@ -203,6 +242,16 @@ class LoaderStats:
             concurrency=float(gauges[INFLIGHT]),
             concurrency_mean=float(t[INFLIGHT_S]) / elapsed_s if elapsed_s > 0 else 0.0,
             rate_limit=float(gauges[RATE_LIMIT]),
+            peer_mean_s=float(t[PEER_S]) / answered_by_peers if answered_by_peers else 0.0,
+            peer_p50_s=_quantile(peer_hist, 0.5, _PBASE_S, 2),
+            peer_p99_s=_quantile(peer_hist, 0.99, _PBASE_S, 2),
+            peer_fallbacks=int(t[PEER_FALLBACK]),
+            peer_hedged=int(t[PEER_HEDGED]),
+            peer_wrong=int(t[PEER_WRONG]),
+            peers_served=int(t[PEER_SERVED]),
+            peers_served_bytes=int(t[PEER_SERVED_BYTES]),
+            peers_served_fetched=int(t[PEER_SERVED_FETCHED]),
+            peers_refused=int(t[PEER_REFUSED]),
             cache_writes=int(t[CACHE_STORED]),
             cache_writes_dropped=int(t[CACHE_DROPPED]),
             device_decoded=int(t[DEVICE_DECODED]),
@@ -246,7 +295,7 @@ class LoaderStats:
 
     def _ahead(self) -> str:
         """Why more objects were read than samples served: the look-ahead and the prefetch queue."""
-        reads = self.samples_from_cache + self.samples_from_bucket
+        reads = self.samples_from_cache + self.samples_from_bucket + self.samples_from_peers
         parts = []
         if reads > self.samples:
             parts.append(f"{reads} objects read, {reads - self.samples} of them ahead for batches to come")
@@ -258,8 +307,9 @@ class LoaderStats:
 
     def _sources(self) -> str:
         """Where bytes came from, and how fast from the bucket; nothing said of what was not measured."""
-        reads = self.samples_from_cache + self.samples_from_bucket
+        reads = self.samples_from_cache + self.samples_from_bucket + self.samples_from_peers
         parts = [f"hit rate {self.hit_rate:.0%}"] if reads else []
+        parts += self._peers()
         if self.bytes_from_bucket:
             parts.append(f"bucket {_rate(self.bucket_bytes_per_s)}")
         elif reads:
@@ -273,6 +323,26 @@ class LoaderStats:
         lists = self.list_requests
         parts.append(f"{lists} LIST request{'s' if lists != 1 else ''} to list the dataset")
         return ", ".join(parts)
+
+    def _peers(self) -> list[str]:
+        """What the node's peers gave and took, when peers are on."""
+        parts = []
+        if self.samples_from_peers or self.peer_fallbacks:
+            parts.append(
+                f"{self.samples_from_peers} from peers (p50 {_ms(self.peer_p50_s)} p99 {_ms(self.peer_p99_s)}"
+                + (f", {self.peer_fallbacks} went to the bucket instead" if self.peer_fallbacks else "")
+                + (f", {self.peer_wrong} wrong answers refused" if self.peer_wrong else "")
+                + ")"
+            )
+        if self.peers_served or self.peers_refused:
+            fetched = (
+                f", {self.peers_served_fetched} read from the bucket for them"
+                if self.peers_served_fetched
+                else ""
+            )
+            refused = f", {self.peers_refused} requests refused" if self.peers_refused else ""
+            parts.append(f"served {self.peers_served} to peers{fetched}{refused}")
+        return parts
 
     def summary(self) -> str:
         """One line: samples served (to the training loop's batches) and images/s, hit rate, bucket
@@ -353,6 +423,14 @@ def throttle_bound(s: LoaderStats) -> bool:
     return s.rate_limit > 0 or s.throttled_share >= THROTTLED_SHARE
 
 
+def peers_bound(s: LoaderStats) -> bool:
+    """Whether the wait for bytes is mostly a wait for peers: their answers took more time in all than
+    the bucket's GETs, or a tenth of the reads meant for them went to the bucket."""
+    peer_time = s.peer_mean_s * s.samples_from_peers
+    asked = s.samples_from_peers + s.peer_fallbacks
+    return asked > 0 and (peer_time >= s.get_mean_s * s.gets or s.peer_fallbacks >= 0.1 * asked)
+
+
 def verdict(s: LoaderStats) -> tuple[str, str]:
     """``("input-bound" | "compute-bound" | "store-throttled", why)`` from the loop's waits, the
     workers' stages and the store's throttling."""
@@ -368,11 +446,16 @@ def verdict(s: LoaderStats) -> tuple[str, str]:
             "higher limit, spread the keys over more prefixes, or warm a cache)"
         )
     share = cost[top] / per if per > 0 else 0.0
-    where = (
-        "waiting for the bucket (raise lookahead or concurrency, or warm a cache)"
-        if top == "fetch"
-        else f"{top} (add workers if cores are idle)"
-    )
+    if top == "fetch" and peers_bound(s):
+        where = (
+            f"waiting for peer nodes (answers p50 {_ms(s.peer_p50_s)} p99 {_ms(s.peer_p99_s)}, "
+            f"{s.peer_fallbacks} reads went to the bucket instead: raise lookahead, or look at the peers' "
+            "load)"
+        )
+    elif top == "fetch":
+        where = "waiting for the bucket (raise lookahead or concurrency, or warm a cache)"
+    else:
+        where = f"{top} (add workers if cores are idle)"
     return "input-bound", f"workers spend {share:.0%} of {per * 1e3:.2f} ms per sample in {where}"
 
 

@@ -36,7 +36,7 @@ from .. import _process
 
 __all__ = [
     "Slots", "TimedCollate", "Records", "attach", "combined", "count_for", "counting_for", "for_next_epoch",
-    "next_epoch", "note_inflight", "note_rate_limit", "note_throttled", "rec",
+    "next_epoch", "note_inflight", "note_peer", "note_rate_limit", "note_throttled", "rec",
 ]  # fmt: skip
 
 log = logging.getLogger("blobdata")
@@ -70,11 +70,22 @@ _BASE_S = 1e-5
 #: built ahead, handed over to new workers), from the cache and from the bucket: counted apart, so that
 #: an epoch's hit rate and reads are its own (:func:`for_next_epoch`).
 (N_FROM_CACHE, N_FROM_BUCKET) = range(_HIST0 + _BUCKETS + 6, _HIST0 + _BUCKETS + 8)
+#: Peers (:mod:`blobdata._peers`), on the loop thread. Asking: objects read from another node's cache
+#: (for this epoch, for the next), their bytes and seconds, reads that went to the bucket instead (the
+#: peer down, busy, refusing or wrong), bucket reads started because a peer was slow (hedged), answers
+#: refused as wrong. Serving (this process runs its node's service): answers given, their bytes, objects
+#: read from the bucket for them, requests refused.
+(
+    FROM_PEER, N_FROM_PEER, BYTES_PEER, PEER_S, PEER_FALLBACK, PEER_HEDGED, PEER_WRONG,
+    PEER_SERVED, PEER_SERVED_BYTES, PEER_SERVED_FETCHED, PEER_REFUSED,
+) = range(_HIST0 + _BUCKETS + 8, _HIST0 + _BUCKETS + 19)  # fmt: skip
+#: Peer answer latency histogram: 2 buckets per octave from 100 us (the last: above ~6.5 s).
+_PHIST0, _PBUCKETS, _PBASE_S = _HIST0 + _BUCKETS + 19, 32, 1e-4
 _FOLDED = (
     (B_FROM_CACHE, FROM_CACHE), (B_BYTES_CACHE, BYTES_CACHE), (B_CACHE_S, CACHE_S),
     (B_FROM_BUCKET, FROM_BUCKET), (B_BYTES_BUCKET, BYTES_BUCKET), (B_CACHE_DROPPED, CACHE_DROPPED),
 )  # fmt: skip
-SIZE = _HIST0 + _BUCKETS + 8  # slots (8 bytes each); slot 1 holds SIZE, a layout check
+SIZE = _PHIST0 + _PBUCKETS  # slots (8 bytes each); slot 1 holds SIZE, a layout check
 
 #: Slots a source's record keeps for itself alone: the loader's whole count has them from the main record.
 _OWN_SLOTS = (SERVED, FETCH_WAIT_S)
@@ -305,6 +316,15 @@ def note_get(seconds: float, nbytes: int) -> None:
     v[BYTES_BUCKET] += nbytes
     b = int(math.log2(seconds / _BASE_S) * 4) if seconds > _BASE_S else 0
     v[_HIST0 + min(b, _BUCKETS - 1)] += 1
+
+
+def note_peer(seconds: float, nbytes: int) -> None:
+    """A peer answered a read in ``seconds`` with ``nbytes`` accepted (called on the loop thread)."""
+    v = rec()
+    v[PEER_S] += seconds
+    v[BYTES_PEER] += nbytes
+    b = int(math.log2(seconds / _PBASE_S) * 2) if seconds > _PBASE_S else 0
+    v[_PHIST0 + min(b, _PBUCKETS - 1)] += 1
 
 
 def note_retry(kind: str) -> None:

@@ -41,6 +41,7 @@ from .base import (
     listed_size,
 )
 from .fsspec import AsyncFsLister, FsspecReader, MemoryLister, get_fs, memory_identity
+from .h1 import H1Pool
 from .local import network_mount
 from .local import read_file as read_local_file
 from .options import options_token, redact
@@ -51,6 +52,7 @@ __all__ = [
     "Columns",
     "Entry",
     "Growing",
+    "H1Pool",
     "Lister",
     "LocalBoard",
     "Part",

@@ -7,6 +7,7 @@ Used by fault tests and by the benchmarks (``from blobdata.testing import Latenc
         ...
         assert [m for m, _ in proxy.requests].count("GET") == 3
         proxy.fail_next(2, "status503")          # the next two requests get 503 SlowDown
+        proxy.corrupt_next(5)                    # the server's next five chunks arrive with a byte flipped
 
 The proxy runs its own asyncio loop on a daemon thread, with protocol callbacks rather than streams
 (the benchmarks measure CPU on a 2-core machine it shares with the client and the server, so it has to
@@ -242,7 +243,7 @@ class _ServerSide(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.conn.closed:
-            self.conn.down.push(data)
+            self.conn.down.push(self.conn.proxy._corrupted(data))
 
     def eof_received(self) -> bool:
         self._end()
@@ -311,6 +312,8 @@ class LatencyProxy(ThrottleMode):
         self._requests: list[tuple[str, str]] = []
         self._faults: list[_Fault] = []
         self._faults_triggered = 0
+        self._corrupt = 0  # server chunks still to corrupt (corrupt_next)
+        self.corrupted = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
@@ -374,6 +377,22 @@ class LatencyProxy(ThrottleMode):
         if n > 0:
             with self._lock:
                 self._faults.append(_Fault(mode, n, method.upper() if method else None))
+
+    def corrupt_next(self, n: int) -> None:
+        """Flip the last byte of each of the next ``n`` chunks the server sends (a body, usually: the
+        bytes of an answer arrive wrong, its framing intact). ``corrupted`` counts those flipped."""
+        with self._lock:
+            self._corrupt += max(0, n)
+
+    def _corrupted(self, data: bytes) -> bytes:
+        if not self._corrupt or not data:
+            return data
+        with self._lock:
+            if not self._corrupt:
+                return data
+            self._corrupt -= 1
+            self.corrupted += 1
+        return data[:-1] + bytes([data[-1] ^ 0xFF])
 
     def clear_faults(self) -> None:
         """Drop every pending fault."""

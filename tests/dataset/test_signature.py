@@ -24,7 +24,7 @@ def test_the_signature_is_imagefolders_then_a_few_keyword_settings() -> None:
     assert named[:7] == ["root", "transform", "target_transform", "loader", "extensions", "is_valid_file",
                          "allow_empty"]  # fmt: skip
     assert named[7:] == ["storage_options", "cache", "manifest", "refresh", "listing_max_age", "on_error",
-                         "fetch_options", "share_listing", "skip_hidden", "node_share"]  # fmt: skip
+                         "fetch_options", "share_listing", "skip_hidden", "node_share", "peers"]  # fmt: skip
     assert all(params[p].kind is inspect.Parameter.KEYWORD_ONLY for p in named[7:])
     doc = FolderDataset.__doc__ or ""
     assert "Most users need four arguments" in doc and "FetchOptions" in doc and "BlobCache" in doc

@@ -1,0 +1,328 @@
+"""Node caches that serve each other (``peers=``), against the same job without them and against
+``PartitionedSampler``: bucket GETs per epoch, epoch time, bytes between nodes.
+
+N nodes simulated on one machine: one process per node (the training process of its one rank, with
+``--workers`` DataLoader workers), each with its own cache directory sized to ``1/N`` of the dataset's
+bytes plus ``--slack`` (policy "admit"), its own peer service on its own loopback address
+(``127.0.0.2``, ``127.0.0.3``, ...) and, with ``--peer-rtt-ms``, a ``LatencyProxy`` in front of that
+service; the nodes meet through a ``TCPStore`` served by this script. The bucket is a local S3 server
+(``blobdata.testing.LocalS3Server``) behind a ``LatencyProxy`` of ``--bucket-rtt-ms`` (default 50 ms)
+that counts its GETs. Three jobs, each with fresh caches:
+
+- ``peers``: ``ElasticDistributedSampler`` (a global shuffle: each epoch, each node reads a fresh random
+  quarter of the dataset) with ``peers=Peers(...)``;
+- ``global``: the same sampler without peers (each node's cache holds the first quarter it read);
+- ``partitioned``: ``PartitionedSampler`` (each node reads its own share every epoch), no peers.
+
+Every node waits for the others at the start of each epoch (a barrier in the store, through which this
+script reads the proxy's count of GETs between epochs); an epoch's time is its slowest node's, its CPU
+the nodes' processes' (their workers' included; not this script's proxies and S3 server). Each
+sample is decoded and cropped (the default loader, ``blobdata.testing.TrainTransform(64)``) unless
+``--no-decode``.
+Prints a table per job, then the ratios (from epoch 2 on) and the machine's load average.
+
+    python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--json out.json]
+
+A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it small and checks it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from common import REPO, add_repo_to_path, table
+
+add_repo_to_path()
+
+JOBS = ("peers", "global", "partitioned")
+
+
+# -- one node ------------------------------------------------------------------------------------------
+def _as_list(batch: list[Any]) -> list[Any]:
+    return batch
+
+
+def _raw(fh: Any) -> bytes:
+    return bytes(fh.read())
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and its reaped children (the DataLoader's workers of past epochs)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _wait(store: Any, key: str, timeout: float = 600.0) -> None:
+    import datetime
+
+    store.wait([key], datetime.timedelta(seconds=timeout))
+
+
+def node_main(spec_path: str) -> int:
+    """One node of one job (``--node SPEC``): epochs between barriers; writes its figures to ``out``."""
+    import torch.distributed as dist
+
+    from blobdata import BlobCache, ElasticDistributedSampler, FolderDataset, PartitionedSampler, Peers
+    from blobdata.testing import TrainTransform
+
+    spec = json.loads(Path(spec_path).read_text())
+    store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False)
+    job, rank, n = spec["job"], spec["rank"], spec["nodes"]
+    peers = None
+    if job == "peers":
+        peers = Peers(
+            store=store, nnodes=n, node_rank=rank, host=spec["host"], port=spec["port"],
+            advertise=spec["advertise"], job=spec["run"], timeout=120,
+        )  # fmt: skip
+    cache = BlobCache(spec["cache"], size_limit=spec["cache_bytes"])
+    decode = spec["decode"]
+    transform = TrainTransform(64) if decode else None
+    ds = FolderDataset(
+        spec["url"], transform=transform, loader=None if decode else _raw, cache=cache, peers=peers,
+        share_listing=False,
+    )  # fmt: skip
+    if job == "partitioned":
+        sampler: Any = PartitionedSampler(ds, num_replicas=n, rank=rank, nproc_per_node=1, seed=1)
+    else:
+        sampler = ElasticDistributedSampler(ds, num_replicas=n, rank=rank, seed=1)
+    loader = ds.dataloader(
+        batch_size=spec["batch_size"], sampler=sampler, num_workers=spec["workers"], collate_fn=_as_list
+    )
+    out = []
+    before = loader.stats()
+    for epoch in range(spec["epochs"]):
+        store.add(f"{spec['run']}/arrive/{epoch}", 1)
+        _wait(store, f"{spec['run']}/go/{epoch}")
+        sampler.set_epoch(epoch)
+        t0, cpu0 = time.perf_counter(), _cpu_s()
+        samples = sum(len(b) for b in loader)
+        seconds = time.perf_counter() - t0
+        cpu = _cpu_s() - cpu0  # the workers (not persistent) are reaped at the epoch's end
+        now = loader.stats()
+        out.append({
+            "seconds": seconds, "samples": samples, "cpu_s": cpu,
+            "from_peers": now.samples_from_peers - before.samples_from_peers,
+            "from_cache": now.samples_from_cache - before.samples_from_cache,
+            "from_bucket": now.samples_from_bucket - before.samples_from_bucket,
+            "bytes_from_peers": now.bytes_from_peers - before.bytes_from_peers,
+            "peer_fallbacks": now.peer_fallbacks - before.peer_fallbacks,
+            "peer_hedged": now.peer_hedged - before.peer_hedged,
+            "peer_p50_s": now.peer_p50_s, "peer_p99_s": now.peer_p99_s,
+        })  # fmt: skip
+        before = now
+    Path(spec["out"]).write_text(json.dumps({"epochs": out, "summary": loader.stats().summary()}))
+    store.add(f"{spec['run']}/arrive/end", 1)
+    _wait(store, f"{spec['run']}/go/end")  # serve the others until every node is done
+    return 0
+
+
+# -- the driver ----------------------------------------------------------------------------------------
+def _gets(proxy: Any) -> int:
+    return sum(1 for m, t in proxy.requests if m == "GET" and "list-type" not in t)
+
+
+def _run_job(
+    job: str, args: Any, work: Path, url: str, env: dict[str, str], store: Any, proxy: Any
+) -> dict[str, Any]:
+    from blobdata.testing import LatencyProxy, find_free_port
+
+    run = f"{job}-{os.urandom(4).hex()}"
+    share = args.total_bytes / args.nodes
+    procs, specs, peer_proxies = [], [], []
+    for rank in range(args.nodes):
+        host = f"127.0.0.{2 + rank}"
+        port = find_free_port()
+        advertise = None
+        if job == "peers" and args.peer_rtt_ms > 0:
+            p = LatencyProxy(host, port, delay_s=args.peer_rtt_ms / 2000.0, count_requests=False).start()
+            peer_proxies.append(p)
+            advertise = f"127.0.0.1:{p.port}"
+        spec = {
+            "job": job, "run": run, "rank": rank, "nodes": args.nodes, "store_port": store.port,
+            "host": host, "port": port, "advertise": advertise, "url": url,
+            "cache": str(work / run / f"cache{rank}"), "cache_bytes": int(share * (1 + args.slack)) + 2**22,
+            "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
+            "decode": not args.no_decode, "out": str(work / run / f"node{rank}.json"),
+        }  # fmt: skip
+        (work / run).mkdir(parents=True, exist_ok=True)
+        path = work / run / f"spec{rank}.json"
+        path.write_text(json.dumps(spec))
+        log = open(work / run / f"node{rank}.log", "wb")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen([sys.executable, __file__, "--node", str(path)], env=env, stdout=log,
+                                       stderr=subprocess.STDOUT), log))  # fmt: skip
+        specs.append(spec)
+    gets = []
+    try:
+        for epoch in [*range(args.epochs), "end"]:
+            key = f"{run}/arrive/{epoch}"
+            deadline = time.monotonic() + args.timeout
+            while int(store.add(key, 0)) < args.nodes:
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p, _ in procs):
+                    logs = [
+                        (work / run / f"node{r}.log").read_text(errors="replace")[-2000:]
+                        for r in range(args.nodes)
+                    ]
+                    raise SystemExit(f"{job}: nodes did not reach epoch {epoch}:\n" + "\n".join(logs))
+                time.sleep(0.01)
+            if epoch != 0:
+                gets.append(_gets(proxy))
+            proxy.reset_counts()
+            store.set(f"{run}/go/{epoch}", "1")
+        for p, _ in procs:
+            p.wait(timeout=120)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+        for pp in peer_proxies:
+            pp.stop()
+    nodes = [json.loads(Path(s["out"]).read_text()) for s in specs]
+    epochs = []
+    for e in range(args.epochs):
+        rows = [nd["epochs"][e] for nd in nodes]
+        summed = (
+            "cpu_s",
+            "from_peers",
+            "from_cache",
+            "from_bucket",
+            "bytes_from_peers",
+            "peer_fallbacks",
+            "peer_hedged",
+        )
+        epochs.append({
+            "gets": gets[e], "seconds": max(r["seconds"] for r in rows),
+            "samples": sum(r["samples"] for r in rows), **{k: sum(r[k] for r in rows) for k in summed},
+            "peer_p99_s": max(r["peer_p99_s"] for r in rows),
+            "peer_p50_s": max(r["peer_p50_s"] for r in rows),
+        })  # fmt: skip
+    return {"job": job, "epochs": epochs, "summary": nodes[0]["summary"]}
+
+
+def _run_jobs(args: Any, work: Path, bodies: list[bytes]) -> list[dict[str, Any]]:
+    """Each job of ``--jobs`` in turn, against one bucket (a local S3 server behind a latency proxy)."""
+    import torch.distributed as dist
+
+    from blobdata.testing import LatencyProxy, LocalS3Server, s3_client
+
+    results = []
+    with LocalS3Server() as server:
+        client = s3_client(server)
+        client.create_bucket(Bucket="bench")
+
+        def put(i: int) -> None:
+            client.put_object(Bucket="bench", Key=f"train/c{i % 10:02d}/{i:06d}.jpg", Body=bodies[i])
+
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(put, range(args.objects)))
+        host, port = server.endpoint_url.split("://", 1)[1].rsplit(":", 1)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        with LatencyProxy(host, int(port.rstrip("/")), delay_s=args.bucket_rtt_ms / 2000.0) as proxy:
+            opts = server.storage_options
+            env = {
+                **os.environ, "PYTHONPATH": str(REPO), "AWS_ENDPOINT_URL_S3": proxy.endpoint_url,
+                "AWS_ACCESS_KEY_ID": opts["key"], "AWS_SECRET_ACCESS_KEY": opts["secret"],
+                "AWS_REGION": opts["client_kwargs"]["region_name"], "BLOBDATA_CACHE_HOME": str(work / "home"),
+                "OMP_NUM_THREADS": "1",
+            }  # fmt: skip
+            for job in args.jobs.split(","):
+                results.append(_run_job(job, args, work, "s3://bench/train", env, store, proxy))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--node"]:
+        return node_main(argv[1])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--objects", type=int, default=1200)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--slack", type=float, default=0.15, help="each cache: 1/N of the data times 1 + this")
+    p.add_argument("--bucket-rtt-ms", type=float, default=50.0)
+    p.add_argument(
+        "--peer-rtt-ms", type=float, default=1.0, help="a LatencyProxy before each service; 0: none"
+    )
+    p.add_argument("--no-decode", action="store_true", help="read bytes only (no JPEG decode, no transform)")
+    p.add_argument("--jobs", default=",".join(JOBS))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds a job's epoch may take")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    import numpy as np
+
+    from blobdata.testing import synthetic_jpeg
+
+    load0 = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bench-peers-"))
+    rng = np.random.default_rng(0)
+    bodies = [synthetic_jpeg(rng, min_side=160, max_side=320) for _ in range(args.objects)]
+    args.total_bytes = sum(len(b) for b in bodies)
+    t0 = time.monotonic()
+    try:
+        results = _run_jobs(args, work, bodies)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the nodes' caches, logs and specs
+
+    load1 = os.getloadavg()
+    n = args.objects
+    print(
+        f"{args.nodes} nodes x 1 rank x {args.workers} workers, {n} JPEGs ({args.total_bytes / 1e6:.1f} MB), "
+        f"batch {args.batch_size}, each cache 1/{args.nodes} of the data + {args.slack:.0%}, bucket RTT "
+        f"{args.bucket_rtt_ms:g} ms, peers RTT {args.peer_rtt_ms:g} ms, "
+        f"{'bytes only' if args.no_decode else 'decode + resize'}; {time.monotonic() - t0:.0f} s; "
+        f"load average {load0[0]:.1f} before, {load1[0]:.1f} after"
+    )
+    head = ["job", "epoch", "bucket GETs", "GETs / samples", "epoch s", "nodes' CPU s", "from peers",
+            "from cache", "peer MB", "peer p50 ms", "peer p99 ms", "fell back", "hedged"]  # fmt: skip
+    rows = []
+    for r in results:
+        for e, ep in enumerate(r["epochs"], 1):
+            rows.append([
+                r["job"], str(e), str(ep["gets"]), f"{ep['gets'] / n:.1%}", f"{ep['seconds']:.2f}",
+                f"{ep['cpu_s']:.1f}", str(ep["from_peers"]), str(ep["from_cache"]),
+                f"{ep['bytes_from_peers'] / 1e6:.1f}", f"{ep['peer_p50_s'] * 1e3:.1f}",
+                f"{ep['peer_p99_s'] * 1e3:.1f}", str(ep["peer_fallbacks"]), str(ep["peer_hedged"]),
+            ])  # fmt: skip
+    print(table(head, rows))
+    by = {r["job"]: r for r in results}
+
+    def later(job: str, key: str) -> float:
+        return sum(ep[key] for ep in by[job]["epochs"][1:])
+
+    if "peers" in by and args.epochs > 1:
+        later_samples = n * (args.epochs - 1)
+        line = f"from epoch 2 on: bucket GETs / samples: peers {later('peers', 'gets') / later_samples:.1%}"
+        for other in ("global", "partitioned"):
+            if other in by:
+                line += f", {other} {later(other, 'gets') / later_samples:.1%}"
+        print(line)
+        for other in ("global", "partitioned"):
+            if other in by:
+                ratio = later("peers", "seconds") / later(other, "seconds")
+                cpu = later("peers", "cpu_s") / later(other, "cpu_s")
+                print(f"from epoch 2 on, peers / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f}")
+    for r in results:
+        print(f"{r['job']} (node 0): {r['summary']}")
+    if args.json is not None:
+        settings = {k: v for k, v in vars(args).items() if k != "json"}
+        doc = {"args": settings, "load": [load0, load1], "results": results}
+        args.json.write_text(json.dumps(doc, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

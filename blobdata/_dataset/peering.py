@@ -1,0 +1,64 @@
+"""A dataset among the job's peers (:mod:`blobdata._peers`): joining them when it is made, a miss of
+this node's cache read from its home node (``_fetch_object`` asks), and the reads its node's service
+makes for the others.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from .._cache import BlobCache
+from .._errors import ConfigError
+from .._metrics import stats as _stats
+from .._peers import PeerClient, Peers, PeerTable, join, peers_setting, serve
+from .._url import printable
+from .reads import ProcessState
+
+__all__ = ["join_peers", "read_from_home", "serve_peer"]
+
+_log = logging.getLogger("blobdata")
+
+
+def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> PeerTable | None:
+    """``ds``'s place among the job's peers (None: peers off, a job of one node, or a local folder, whose
+    files each node reads itself), its objects served to them if this process runs its node's service.
+    A collective call, as the listing is."""
+    setting = peers_setting(peers)
+    if setting is None:
+        return None
+    if cache is None:
+        raise ConfigError(
+            f"peers need a cache for {printable(ds._url)}: a node serves the others from it; pass "
+            "cache=DIR (each node's own, sized to its share of the dataset and some slack)"
+        )
+    if ds._local_root is not None:  # its files are read directly, in the thread serving the batch
+        _log.info("blobdata: peers are off for %s: a local folder is read directly", printable(ds._url))
+        return None
+    table = join(setting)
+    if table is not None:
+        serve(table, ds._url, cache, ds, serve_peer)
+    return table
+
+
+async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: int, identity: str) -> bytes:
+    """A miss of this node's cache, read from the cache of its home node (this node's own through its
+    service, which reads each object from the bucket once per job); from the bucket where the home does
+    not answer in time or answers wrong. Not kept in this node's cache: its home keeps it."""
+    bucket = functools.partial(proc.engine.fetch, url, size=size, identity=identity)
+    data, from_peer = await peers.read(peers.home_of(url), url, size, identity, bucket)
+    v = _stats.rec()
+    if from_peer:
+        v[_stats.N_FROM_PEER if _stats.next_epoch() else _stats.FROM_PEER] += 1
+    else:
+        v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
+    return data
+
+
+async def serve_peer(ds: Any, url: str, size: int | None, identity: str) -> bytes:
+    """An object of ``ds`` that this node is home for and its cache misses, asked by a peer (or one of
+    this node's processes): read from the bucket through ``ds``'s engine (the node's throttle state,
+    the one retry budget), pinned to ``identity``. The service puts it in the cache."""
+    data, _ = await ds._process().engine.fetch(url, size=size, identity=identity)
+    return bytes(data)

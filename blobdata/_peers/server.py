@@ -1,0 +1,202 @@
+"""The peer service's HTTP/1.1 server: one asyncio protocol per connection, GET requests only.
+
+Nothing a client sends decides how much memory a connection takes: a request head is refused past
+:data:`MAX_HEAD` bytes (431), a request with a body (``Content-Length`` other than 0, any
+``Transfer-Encoding``), a line with a bare CR or LF, a repeated header or a method other than GET is
+refused (400, 405) and the connection closed, as after any answer but 200 and 503. One request at a
+time per connection, as the asking side sends them (bytes that arrive meanwhile wait, bounded as a head
+is); the next is read once the answer is written and the socket's buffer has drained. At most
+``max_connections`` connections at once: more are closed at accept. What the answer says is the
+handler's (:mod:`.service`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+__all__ = ["MAX_HEAD", "Reply", "Request", "Server"]
+
+MAX_HEAD = 16 * 1024  # bytes of a request line and headers
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_TARGET = re.compile(r"/[\x21-\x7e]*")
+_REASONS = {
+    200: "OK", 400: "Bad Request", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
+    421: "Misdirected Request", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+    502: "Bad Gateway", 503: "Service Unavailable",
+}  # fmt: skip
+
+
+class Request(NamedTuple):
+    """One request: method, target (path and query, as sent), headers by lower-case name."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+
+
+class Reply(NamedTuple):
+    """One answer: status, headers (Content-Length is added), body."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+Handler = Callable[[Request], Awaitable[Reply]]
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+def parse_head(head: bytes) -> Request:
+    """The request in ``head`` (without its closing blank line); :class:`_BadRequest` if invalid."""
+    text = head.decode("latin-1")
+    lines = text.split("\r\n")
+    if any("\r" in line or "\n" in line for line in lines):
+        raise _BadRequest(400, "a bare CR or LF in the request head")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not _TARGET.fullmatch(parts[1]):
+        raise _BadRequest(400, "not an HTTP/1.1 request line")
+    if parts[0] != "GET":
+        raise _BadRequest(405, "only GET is served")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN.fullmatch(name):
+            raise _BadRequest(400, "a malformed header line")
+        key = name.lower()
+        if key in headers:
+            raise _BadRequest(400, f"header {name} given twice")
+        headers[key] = value.strip(" \t")
+    if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+        raise _BadRequest(400, "a GET with a body")
+    return Request(parts[0], parts[1], headers)
+
+
+def render(reply: Reply, *, close: bool) -> bytes:
+    """The head of ``reply`` (its body goes after it)."""
+    lines = [f"HTTP/1.1 {reply.status} {_REASONS.get(reply.status, 'Unknown')}"]
+    lines += [f"{k}: {v}" for k, v in reply.headers.items()]
+    lines.append(f"Content-Length: {len(reply.body)}")
+    if close:
+        lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _plain(status: int, reason: str) -> Reply:
+    return Reply(status, {"Content-Type": "text/plain; charset=utf-8"}, reason.encode("utf-8", "replace"))
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.task: asyncio.Task[None] | None = None
+        self.paused = False  # the socket's send buffer is full: read no further request
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if len(self.server.conns) >= self.server.max_connections:
+            transport.abort()
+            return
+        self.server.conns.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if self.task is None and not self.paused:
+            self._next()
+        elif len(self.buf) > MAX_HEAD:  # more than a request while one is answered: not our client
+            self._close(abort=True)
+
+    def _next(self) -> None:
+        end = self.buf.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buf) > MAX_HEAD:
+                self._answer(_plain(431, "request head too large"), close=True)
+            return
+        if end > MAX_HEAD:
+            self._answer(_plain(431, "request head too large"), close=True)
+            return
+        head = bytes(self.buf[:end])
+        del self.buf[: end + 4]
+        try:
+            req = parse_head(head)
+        except _BadRequest as exc:
+            self._answer(_plain(exc.status, str(exc)), close=True)
+            return
+        close = req.headers.get("connection", "").lower() == "close"
+        self.task = asyncio.get_running_loop().create_task(self._handle(req, close))
+
+    async def _handle(self, req: Request, close: bool) -> None:
+        try:
+            reply = await self.server.handler(req)
+        except Exception as exc:  # the handler's own failure: an answer all the same
+            reply = _plain(500, f"{type(exc).__name__}")
+        self.task = None
+        # A refusal ends the connection (a stranger keeps none open); busy (503) is a moment's.
+        self._answer(reply, close=close or reply.status not in (200, 503))
+
+    def _answer(self, reply: Reply, *, close: bool) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        # Head and body in one write: one send for an answer, not a head a reader may see alone.
+        t.writelines((render(reply, close=close), reply.body))
+        if close:
+            self._close()
+        elif self.buf and not self.paused:
+            self._next()
+
+    def _close(self, *, abort: bool = False) -> None:
+        t = self.transport
+        if t is not None:
+            t.abort() if abort else t.close()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.task is None and self.buf:
+            self._next()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.conns.discard(self)
+        if self.task is not None:
+            self.task.cancel()
+            self.task = None
+        self.transport = None
+
+
+class Server:
+    """Serves ``handler``'s answers on ``host``:``port`` (0: a free port) of the running loop."""
+
+    def __init__(self, handler: Handler, *, max_connections: int = 4096) -> None:
+        self.handler = handler
+        self.max_connections = max_connections
+        self.conns: set[_Conn] = set()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int = 0) -> int:
+        """Listen; returns the port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Conn(self), host, port, backlog=1024)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def aclose(self) -> None:
+        """Stop listening and drop every connection."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for conn in list(self.conns):
+            conn._close(abort=True)

@@ -1,0 +1,38 @@
+"""benchmarks/bench_peers.py runs end to end at a small size: two simulated nodes whose caches hold half
+of the data each, a global shuffle; from the second epoch on the bucket is read only for hedges or
+fallbacks, every other object comes from a cache (its home's or this node's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OBJECTS = 64
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_peers_small(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    cmd = [
+        sys.executable, "benchmarks/bench_peers.py", "--nodes", "2", "--objects", str(OBJECTS),
+        "--epochs", "2", "--batch-size", "8", "--workers", "0", "--no-decode", "--jobs", "peers",
+        "--timeout", "200", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "from epoch 2 on: bucket GETs / samples: peers" in done.stdout
+    first, second = json.loads(out.read_text())["results"][0]["epochs"]
+    assert first["samples"] == second["samples"] == OBJECTS
+    # Each object read from the bucket once, by its home (and again only where a read was hedged).
+    assert OBJECTS <= first["gets"] <= OBJECTS + first["peer_hedged"] + first["peer_fallbacks"]
+    assert second["from_peers"] > 0
+    assert second["from_peers"] + second["from_cache"] + second["from_bucket"] == OBJECTS
+    assert second["gets"] <= second["peer_hedged"] + second["peer_fallbacks"]

@@ -1,0 +1,166 @@
+"""Turning peers on, and the nodes' meeting through the job's store: settings checked when made, one
+argument or one variable, a meeting that names the node that never came, entries checked as read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from blobdata import ConfigError, FolderDataset, Peers
+from blobdata._loop import run
+from blobdata._peers import join, peers_setting, service_of
+
+SECRET_KEY = "blobdata/peers/v1/"  # the meeting's keys: this, then 16 hex digits of the job's hash
+
+
+def _folder(tmp_path: Path) -> str:
+    (tmp_path / "data" / "c").mkdir(parents=True)
+    (tmp_path / "data" / "c" / "x.png").write_bytes(b"x")
+    return str(tmp_path / "data")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nnodes": 0}, r"nnodes=\) must be an integer of at least 1"),
+        ({"nnodes": True}, r"nnodes=\) must be an integer"),
+        ({"node_rank": -1}, r"node_rank=\) must be an integer of at least 0"),
+        ({"nnodes": 2, "node_rank": 2}, r"node_rank=2\) must be below nnodes=2"),
+        ({"port": 70000}, r"port=\) must be a port number"),
+        ({"host": ""}, r"host=\) must be a non-empty printable string"),
+        ({"node_name": "a\nb"}, r"node_name=\) must be a non-empty printable string"),
+        ({"per_peer": 0}, r"per_peer=\) must be an integer of at least 1"),
+        ({"timeout": "soon"}, r"timeout=\) must be a duration"),
+    ],
+)
+def test_bad_settings_are_refused_when_made(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Peers(**kwargs)
+
+
+def test_one_argument_or_one_variable_turns_peers_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BLOBDATA_PEERS", raising=False)
+    assert peers_setting(None) is None  # off by default
+    assert peers_setting(True) == Peers() and peers_setting(False) is None
+    given = Peers(nnodes=3)
+    assert peers_setting(given) is given
+    for on in ("1", "true", "ON"):
+        monkeypatch.setenv("BLOBDATA_PEERS", on)
+        assert peers_setting(None) == Peers()
+        assert peers_setting(False) is None  # the argument wins
+    monkeypatch.setenv("BLOBDATA_PEERS", "0")
+    assert peers_setting(None) is None
+    monkeypatch.setenv("BLOBDATA_PEERS", "maybe")
+    with pytest.raises(ConfigError, match="BLOBDATA_PEERS must be 1 or 0"):
+        peers_setting(None)
+    with pytest.raises(ConfigError, match=r"peers= takes True, False or a blobdata\.Peers"):
+        peers_setting("yes")  # type: ignore[arg-type]
+
+
+def test_peers_without_a_cache_are_refused_naming_the_folder(tmp_path: Path) -> None:
+    root = _folder(tmp_path)
+    with pytest.raises(ConfigError, match=r"peers need a cache for .*data: .*pass cache=DIR"):
+        FolderDataset(root, peers=True)
+
+
+def test_a_job_of_one_node_meets_nobody(tmp_path: Path) -> None:
+    ds = FolderDataset(_folder(tmp_path), cache=str(tmp_path / "c"), peers=Peers(nnodes=1))
+    assert ds._peers is None and len(ds) == 1
+
+
+def test_a_local_folder_meets_nobody(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its files are read directly in the thread serving the batch, so no node would ask: the dataset
+    does not meet the others (meeting them needs a store, which this test has not: an error)."""
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with caplog.at_level(logging.INFO, logger="blobdata"):
+        ds = FolderDataset(_folder(tmp_path), cache=str(tmp_path / "c"), peers=Peers(nnodes=2, node_rank=0))
+    assert ds._peers is None and len(ds) == 1
+    assert "peers are off for" in caplog.text and "a local folder is read directly" in caplog.text
+
+
+def test_without_a_store_the_error_says_where_one_comes_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match=r"peers need the job's store .* torchrun"):
+        join(Peers(nnodes=2, node_rank=1, job="nostore"))
+
+
+def test_a_node_that_never_comes_is_named() -> None:
+    store = dist.HashStore()
+    with pytest.raises(ConfigError, match=r"node 1's address did not come within 1 s"):
+        join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job="late", timeout=1))
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        b"not json",
+        json.dumps({"name": "b"}).encode(),
+        json.dumps({"name": "b", "address": "x", "local": "x"}).encode(),
+        json.dumps({"name": "b\n", "address": "1.2.3.4:5", "local": "1.2.3.4:5"}).encode(),
+        b"x" * 5000,
+    ],
+)
+def test_a_nodes_entry_is_checked_as_it_is_read(entry: bytes) -> None:
+    import hashlib
+
+    store = dist.HashStore()
+    job = f"entry-{os.urandom(4).hex()}"
+    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    store.set(prefix + "node/1", entry)
+    with pytest.raises(ConfigError, match=r"node 1's entry in the job's store|node 1's address .* bytes"):
+        join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
+
+
+def test_node_names_must_be_distinct() -> None:
+    import hashlib
+
+    store = dist.HashStore()
+    job = f"dup-{os.urandom(4).hex()}"
+    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    store.set(
+        prefix + "node/1", json.dumps({"name": "127.0.0.1", "address": "1.2.3.4:5", "local": "1.2.3.4:5"})
+    )
+    with pytest.raises(ConfigError, match="names are not distinct"):
+        join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
+
+
+def test_a_meeting_leaves_a_note_of_the_service_in_the_nodes_directory_and_no_secret() -> None:
+    import hashlib
+
+    store = dist.HashStore()
+    job = f"note-{os.urandom(4).hex()}"
+    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    store.set(
+        prefix + "node/1", json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"})
+    )
+    table = join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
+    assert table is not None and table.names == ("127.0.0.1", "other") and table.me == 0
+    service = service_of(table)
+    assert service is not None and service.note is not None
+    try:
+        assert table.addresses[0] == service.address  # this node's own: where it listens
+        note = Path(service.note[0]) / "service.json"
+        st = note.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(Path(service.note[0]).stat().st_mode) == 0o700
+        got = json.loads(note.read_text())
+        assert got["address"] == service.address and got["job"] == service.verifier.job
+        assert table.secret.hex() not in note.read_text()
+        secret = store.get(prefix + "secret")
+        assert bytes.fromhex(secret.decode()) == table.secret
+        assert "secret" not in repr(table) and table.secret.hex() not in repr(table)
+        # The same job met again in this process: the same table, no second meeting.
+        assert join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5)) is table
+    finally:
+        run(service.server.aclose())

@@ -1,0 +1,287 @@
+"""A node's peer service refuses what the job did not sign, and everything outside its own objects: a
+real service on a loopback port, in front of a real S3 bucket whose GETs a proxy counts (a refused
+request reads nothing), asked with Python's own ``http.client`` (the oracle of HTTP/1.1 framing) and
+with raw bytes where a request must be malformed."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import quote
+
+import pytest
+
+from blobdata import BlobCache, FetchOptions, FolderDataset
+from blobdata._fetch import FetchEngine
+from blobdata._loop import run
+from blobdata._peers import PATH, Homes, Service, Signer, job_id
+from blobdata._peers.auth import SKEW_S, WINDOW, answer_signature
+from blobdata._peers.service import crc_text
+from tests.support.other_user import as_other_user
+from tests.support.peer_nodes import payload
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = bytes(range(32))
+NAMES = ("node-a", "node-b")  # this service is node-a's
+
+
+class Served(NamedTuple):
+    service: Service
+    port: int
+    objects: list[tuple[str, str, int]]  # (url, identity, size) homed here
+    others: list[tuple[str, str, int]]  # homed on node-b
+    proxy: Any
+    cache: BlobCache
+
+
+def _raw(fh: Any) -> bytes:
+    return bytes(fh.read())
+
+
+async def _fetch(engine: FetchEngine, url: str, size: int | None, identity: str) -> bytes:
+    return (await engine.fetch(url, size=size, identity=identity))[0]
+
+
+@pytest.fixture
+def served(tmp_path: Path, s3_bucket: Any, s3_proxy: Any) -> Iterator[Served]:
+    s3_bucket.put_many({f"train/c{i % 2}/{i:04d}.bin": payload(i) for i in range(24)})
+    s3_bucket.put("secret/key.bin", b"not for peers")
+    options = {**s3_bucket.storage_options, "endpoint_url": s3_proxy.endpoint_url}
+    ds = FolderDataset(s3_bucket.url("train"), loader=_raw, extensions=(".bin",), storage_options=options)
+    m = ds.manifest
+    homes = Homes(NAMES)
+    rows = [(m.url(i), m.identity(i), m.size(i)) for i in range(len(ds))]
+    cache = BlobCache(tmp_path / "cache")
+    service = Service(SECRET)
+    service.homes, service.me = homes, 0
+    engine = FetchEngine(FetchOptions(), "s3", options)
+    service.add_source(ds._url, cache, engine, _fetch)
+    port = run(service.server.start("127.0.0.1", 0))
+    s3_proxy.reset_counts()
+    mine = [r for r in rows if homes.home_of(r[0]) == 0]
+    others = [r for r in rows if homes.home_of(r[0]) == 1]
+    assert mine and others
+    try:
+        yield Served(service, port, mine, others, s3_proxy, cache)
+    finally:
+        run(service.server.aclose())
+        engine.close()
+
+
+def _target(url: str, identity: str, size: int) -> str:
+    return f"{PATH}?u={quote(url, safe='')}&e={quote(identity, safe='')}&n={size}"
+
+
+def _ask(port: int, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", target, headers=headers)
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp
+
+
+def _signed(target: str, secret: bytes = SECRET, **kw: Any) -> tuple[dict[str, str], str]:
+    return Signer(secret, NAMES[1], **kw).sign("GET", target)
+
+
+def _gets(proxy: Any) -> int:
+    return sum(1 for m, _ in proxy.requests if m == "GET")
+
+
+def test_a_signed_request_gets_the_object_read_once_then_from_the_cache(served: Served) -> None:
+    url, ident, size = served.objects[0]
+    target = _target(url, ident, size)
+    for origin in ("bucket", "cache"):
+        headers, sig = _signed(target)
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+        conn.request("GET", target, headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+        assert resp.status == 200 and body == payload(int(url.rsplit("/", 1)[1][:4]))
+        crc = resp.getheader("X-Blobdata-Crc") or ""
+        assert crc == crc_text(body) and resp.getheader("X-Blobdata-From") == origin
+        ident_q = quote(ident, safe="")
+        assert resp.getheader("X-Blobdata-Identity") == ident_q
+        want = answer_signature(SECRET, sig, 200, ident_q, len(body), crc)
+        assert resp.getheader("X-Blobdata-Signature") == want
+    assert _gets(served.proxy) == 1  # read from the bucket once; cached before it was answered
+    assert served.cache.get(url, ident) is not None
+
+
+def test_an_unauthenticated_request_is_refused_and_reads_nothing(served: Served) -> None:
+    url, ident, size = served.objects[0]
+    resp = _ask(served.port, _target(url, ident, size), {})
+    assert resp.status == 403
+    headers, _ = _signed(_target(url, ident, size))
+    del headers["Authorization"]
+    assert _ask(served.port, _target(url, ident, size), headers).status == 403
+    assert _gets(served.proxy) == 0 and served.cache.get(url, ident) is None
+
+
+def test_a_request_signed_with_another_jobs_secret_is_refused(served: Served) -> None:
+    url, ident, size = served.objects[0]
+    target = _target(url, ident, size)
+    other = os.urandom(32)
+    headers, _ = _signed(target, other)
+    resp = _ask(served.port, target, headers)
+    assert resp.status == 403
+    # ... and claiming this job's id does not help: the signature is the other secret's.
+    headers, _ = _signed(target, other)
+    headers["X-Blobdata-Job"] = job_id(SECRET)
+    assert _ask(served.port, target, headers).status == 403
+    assert _gets(served.proxy) == 0
+    assert served.service.refused == {
+        "the request is another job's": 1,
+        "the request's signature does not match": 1,
+    }
+
+
+def test_a_replayed_request_is_refused(served: Served) -> None:
+    url, ident, size = served.objects[0]
+    target = _target(url, ident, size)
+    signer = Signer(SECRET, NAMES[1])
+    headers, _ = signer.sign("GET", target)
+    assert _ask(served.port, target, headers).status == 200
+    assert _ask(served.port, target, headers).status == 403  # the very same request again
+    # Requests out of order pass once each; one older than the window does not.
+    early, _ = signer.sign("GET", target)
+    for _ in range(5):
+        signer.sign("GET", target)
+    late, _ = signer.sign("GET", target)
+    assert _ask(served.port, target, late).status == 200
+    assert _ask(served.port, target, early).status == 200
+    assert _ask(served.port, target, early).status == 403
+    old, _ = signer.sign("GET", target)
+    for _ in range(WINDOW):
+        signer.sign("GET", target)
+    assert _ask(served.port, target, signer.sign("GET", target)[0]).status == 200
+    assert _ask(served.port, target, old).status == 403
+    # A request made (signed) more than the allowed skew ago, or ahead, is refused as well.
+    for offset in (-SKEW_S - 5, SKEW_S + 5):
+        stale, _ = _signed(target, clock=lambda o=offset: time.time() + o)
+        assert _ask(served.port, target, stale).status == 403
+    assert _gets(served.proxy) == 1  # the first request's read, and no other
+
+
+def test_a_request_changed_after_signing_is_refused(served: Served) -> None:
+    (url, ident, size), (url2, ident2, size2) = served.objects[:2]
+    headers, _ = _signed(_target(url, ident, size))
+    for target in (
+        _target(url2, ident2, size2),
+        _target(url, ident + "x", size),
+        _target(url, ident, size + 1),
+    ):
+        assert _ask(served.port, target, headers).status == 403
+    headers, _ = _signed(_target(url, ident, size))
+    headers["X-Blobdata-Node"] = NAMES[0]
+    assert _ask(served.port, _target(url, ident, size), headers).status == 403
+    assert _gets(served.proxy) == 0
+
+
+def test_a_path_outside_the_cache_is_refused(served: Served, s3_bucket: Any) -> None:
+    url, ident, _ = served.objects[0]
+    root = url.rsplit("/", 2)[0]  # s3://bucket/train
+    outside = [
+        s3_bucket.url("secret/key.bin"),  # the same bucket, outside the dataset
+        root + "/../secret/key.bin",  # a dot segment
+        root + "/c0/./" + url.rsplit("/", 1)[1],
+        root + "//c0/" + url.rsplit("/", 1)[1],
+        root + "x/c0/0000.bin",  # a sibling prefix
+        "file:///etc/passwd",
+        "s3://other-bucket/train/c0/0000.bin",
+    ]
+    for bad in outside:
+        target = _target(bad, ident, 13)
+        resp = _ask(served.port, target, _signed(target)[0])
+        assert resp.status == 404, bad
+    assert _gets(served.proxy) == 0
+
+
+def test_an_object_of_another_home_is_refused_never_passed_on(served: Served) -> None:
+    url, ident, size = served.others[0]
+    target = _target(url, ident, size)
+    resp = _ask(served.port, target, _signed(target)[0])
+    assert resp.status == 421
+    assert _gets(served.proxy) == 0 and served.cache.get(url, ident) is None
+
+
+def _raw_exchange(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        chunks = []
+        while True:
+            got = s.recv(65536)
+            if not got:
+                break
+            chunks.append(got)
+    return b"".join(chunks)
+
+
+def test_malformed_requests_are_refused_and_the_connection_closed(served: Served) -> None:
+    url, ident, size = served.objects[0]
+    target = _target(url, ident, size)
+    headers, _ = _signed(target)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    cases = {
+        b"POST " + target.encode() + b" HTTP/1.1\r\n" + head.encode() + b"\r\n": b"405",
+        b"GET "
+        + target.encode()
+        + b" HTTP/1.1\r\n"
+        + head.encode()
+        + b"Content-Length: 5\r\n\r\nhello": b"400",
+        b"GET "
+        + target.encode()
+        + b" HTTP/1.1\r\n"
+        + head.encode()
+        + b"Transfer-Encoding: chunked\r\n\r\n": b"400",
+        b"GET " + target.encode() + b" HTTP/1.1\nHost: x\n\n\r\n\r\n": b"400",  # bare LF
+        b"GET " + target.encode() + b" HTTP/1.1\r\nX-A: 1\r\nx-a: 2\r\n\r\n": b"400",  # a header twice
+        b"GET " + target.encode() + b" HTTP/1.1\r\nX-Pad: " + b"a" * 20000 + b"\r\n\r\n": b"431",
+        b"GET /blobdata/v1/object?u=x HTTP/1.1\r\n" + head.encode() + b"\r\n": b"403",  # signed for another
+        b"GARBAGE\r\n\r\n": b"400",
+    }
+    for request, status in cases.items():
+        answer = _raw_exchange(served.port, request)
+        assert answer.startswith(b"HTTP/1.1 " + status), (request[:60], answer[:80])
+    h2, _ = _signed(PATH + "?u=x")
+    assert _ask(served.port, PATH + "?u=x", h2).status == 400  # signed, but not an object request
+    assert _gets(served.proxy) == 0
+
+
+def test_a_peer_beyond_its_bounds_is_told_busy(served: Served) -> None:
+    url, ident, size = served.objects[0]
+    target = _target(url, ident, size)
+    served.service.per_peer = 0
+    assert _ask(served.port, target, _signed(target)[0]).status == 503
+    served.service.per_peer, served.service.max_bytes = 256, size - 1
+    assert _ask(served.port, target, _signed(target)[0]).status == 503
+    assert _gets(served.proxy) == 0
+
+
+def test_another_user_of_the_node_can_neither_ask_nor_find_the_secret(served: Served, tmp_path: Path) -> None:
+    url, ident, size = served.objects[0]
+    target = _target(url, ident, size)
+
+    def other() -> None:
+        resp = _ask(served.port, target, {})
+        assert resp.status == 403
+        forged, _ = Signer(os.urandom(32), NAMES[1]).sign("GET", target)
+        assert _ask(served.port, target, forged).status == 403
+
+    as_other_user(other)
+    assert _gets(served.proxy) == 0
+    # Nothing the service keeps on disk holds the secret (the node's directory, the cache).
+    node_dir = Path(os.environ["BLOBDATA_NODE_DIR"])
+    for place in (node_dir, tmp_path):
+        for path in place.rglob("*"):
+            if path.is_file():
+                data = path.read_bytes()
+                assert SECRET not in data and SECRET.hex().encode() not in data, path
