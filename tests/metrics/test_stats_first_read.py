@@ -75,7 +75,9 @@ def test_the_next_epochs_early_reads_are_counted_apart(s3_bucket: Any, s3_proxy:
     assert still == 10, f"the next epoch's reads never settled: {last}"
     assert first.samples == 60 and first.samples_from_cache == 0 and first.hit_rate == 0.0
     assert first.samples_from_bucket == 60, first  # this epoch's objects, each read once
-    assert first.read_for_next_epoch > 0 and gets == first.gets == 60 + first.read_for_next_epoch
+    # The next epoch's early reads are GETs, or cache hits where this epoch's copy was written first.
+    assert first.read_for_next_epoch > 0 and gets == first.gets
+    assert 60 <= gets <= 60 + first.read_for_next_epoch
     assert f"{first.read_for_next_epoch} read for the next epoch's first batches" in first.summary()
 
 
