@@ -27,11 +27,11 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def pack(
-    magic: bytes, version: int, header: Mapping[str, Any], arrays: Mapping[str, npt.NDArray[Any]],
-    dtypes: Mapping[str, str],
-) -> bytes:  # fmt: skip
-    """``header`` (with an ``"arrays"`` layout added) and ``arrays`` (as ``dtypes``) in the saved form."""
+def _layout(
+    header: Mapping[str, Any], arrays: Mapping[str, npt.NDArray[Any]], dtypes: Mapping[str, str]
+) -> tuple[dict[str, npt.NDArray[Any]], dict[str, dict[str, Any]], bytes, int, int]:
+    """The saved form's parts: the arrays as stored, their layout, the JSON header, where the arrays
+    start and how many bytes they take (each 64-byte aligned)."""
     flat = {name: np.ascontiguousarray(a, dtype=dtypes[name]) for name, a in arrays.items()}
     layout: dict[str, dict[str, Any]] = {}
     pos = 0
@@ -39,7 +39,15 @@ def pack(
         layout[name] = {"dtype": dtypes[name], "offset": pos, "nbytes": int(a.nbytes)}
         pos += _aligned(a.nbytes)
     head = json.dumps({**header, "arrays": layout}, ensure_ascii=True).encode("ascii")
-    start = _aligned(PREAMBLE.size + len(head))
+    return flat, layout, head, _aligned(PREAMBLE.size + len(head)), pos
+
+
+def pack(
+    magic: bytes, version: int, header: Mapping[str, Any], arrays: Mapping[str, npt.NDArray[Any]],
+    dtypes: Mapping[str, str],
+) -> bytes:  # fmt: skip
+    """``header`` (with an ``"arrays"`` layout added) and ``arrays`` (as ``dtypes``) in the saved form."""
+    flat, layout, head, start, pos = _layout(header, arrays, dtypes)
     out = bytearray(start + pos)
     out[PREAMBLE.size : PREAMBLE.size + len(head)] = head
     for name, a in flat.items():
@@ -59,14 +67,7 @@ def write_packed(
 ) -> int:  # fmt: skip
     """:func:`pack`'s bytes written to ``fh`` (at its start, seekable) array by array, never whole in
     memory; returns the CRC-32 it declares."""
-    flat = {name: np.ascontiguousarray(a, dtype=dtypes[name]) for name, a in arrays.items()}
-    layout: dict[str, dict[str, Any]] = {}
-    pos = 0
-    for name, a in flat.items():
-        layout[name] = {"dtype": dtypes[name], "offset": pos, "nbytes": int(a.nbytes)}
-        pos += _aligned(a.nbytes)
-    head = json.dumps({**header, "arrays": layout}, ensure_ascii=True).encode("ascii")
-    start = _aligned(PREAMBLE.size + len(head))
+    flat, _, head, start, _ = _layout(header, arrays, dtypes)
     fh.write(bytes(PREAMBLE.size))
     first = head + bytes(start - PREAMBLE.size - len(head))
     fh.write(first)

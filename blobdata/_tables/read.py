@@ -57,18 +57,23 @@ def _engine(source: str, storage_options: Mapping[str, Any] | None) -> FetchEngi
     return FetchEngine(FetchOptions(), url.protocol, options, root=source)
 
 
+@contextlib.contextmanager
+def _local_errors(source: str, what: str) -> Iterator[None]:
+    """A local table file's OSError as blobdata's: NotFound, else a ConfigError with the reason."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise NotFound(f"{what} file {source} does not exist", url=source) from None
+    except OSError as exc:
+        raise ConfigError(f"{what} file {source} cannot be read: {exc.strerror or exc}", url=source) from exc
+
+
 def read_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: str) -> bytes:
     """The bytes of a local file or of an object (``what`` names it in errors: "index", "metadata")."""
     path = _local(source)
     if path is not None:
-        try:
+        with _local_errors(source, what):
             return Path(path).expanduser().read_bytes()
-        except FileNotFoundError:
-            raise NotFound(f"{what} file {source} does not exist", url=source) from None
-        except OSError as exc:
-            raise ConfigError(
-                f"{what} file {source} cannot be read: {exc.strerror or exc}", url=source
-            ) from exc
     from .._loop import run
 
     # One GET through blobdata's own reader (its retry budget and error map), no HEAD before it.
@@ -92,14 +97,8 @@ def open_bytes(source: str, storage_options: Mapping[str, Any] | None, *, what: 
     as a seekable binary file: what reads a large table holds a range of it, not all of it."""
     path = _local(source)
     if path is not None:
-        try:
+        with _local_errors(source, what):
             fh: BinaryIO = open(os.path.expanduser(path), "rb")  # noqa: SIM115 (closed below)
-        except FileNotFoundError:
-            raise NotFound(f"{what} file {source} does not exist", url=source) from None
-        except OSError as exc:
-            raise ConfigError(
-                f"{what} file {source} cannot be read: {exc.strerror or exc}", url=source
-            ) from exc
         with fh:
             yield fh
         return
