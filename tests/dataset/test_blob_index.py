@@ -141,6 +141,16 @@ def test_bad_index_rows_name_file_and_line(tmp_path: Path, text: str, match: str
         BlobDataset(f"file://{tmp_path}/data", index=tmp_path / "index.csv")
 
 
+@pytest.mark.parametrize("name", ["index.csv", "index.jsonl", "index.parquet"])
+def test_a_local_index_that_is_missing_or_unreadable_is_named(tmp_path: Path, name: str) -> None:
+    (tmp_path / "data").mkdir()
+    with pytest.raises(NotFound, match=rf"index file .*{name} does not exist"):
+        BlobDataset(f"file://{tmp_path}/data", index=tmp_path / name)
+    (tmp_path / name).mkdir()  # a directory where the file should be
+    with pytest.raises(ConfigError, match=rf"index file .*{name} cannot be read: "):
+        BlobDataset(f"file://{tmp_path}/data", index=tmp_path / name)
+
+
 def test_parquet_index(tmp_path: Path) -> None:
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
