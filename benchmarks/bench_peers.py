@@ -83,7 +83,7 @@ def node_main(spec_path: str) -> int:
     if job == "peers":
         peers = Peers(
             store=store, nnodes=n, node_rank=rank, host=spec["host"], port=spec["port"],
-            advertise=spec["advertise"], job=spec["run"], timeout=120,
+            advertise=spec["advertise"], job=spec["run"], timeout=120, per_peer=spec["per_peer"],
         )  # fmt: skip
     cache = BlobCache(spec["cache"], size_limit=spec["cache_bytes"])
     decode = spec["decode"]
@@ -153,7 +153,8 @@ def _run_job(
             "host": host, "port": port, "advertise": advertise, "url": url,
             "cache": str(work / run / f"cache{rank}"), "cache_bytes": int(share * (1 + args.slack)) + 2**22,
             "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
-            "decode": not args.no_decode, "out": str(work / run / f"node{rank}.json"),
+            "decode": not args.no_decode, "per_peer": args.per_peer,
+            "out": str(work / run / f"node{rank}.json"),
         }  # fmt: skip
         (work / run).mkdir(parents=True, exist_ok=True)
         path = work / run / f"spec{rank}.json"
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--peer-rtt-ms", type=float, default=1.0, help="a LatencyProxy before each service; 0: none"
     )
+    p.add_argument("--per-peer", type=int, default=16, help="objects a process has in flight to one peer")
     p.add_argument("--no-decode", action="store_true", help="read bytes only (no JPEG decode, no transform)")
     p.add_argument("--jobs", default=",".join(JOBS))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a job's epoch may take")

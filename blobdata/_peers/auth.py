@@ -14,9 +14,9 @@ a recorded request cannot be played again. The table of clients is bounded (:dat
 client is forgotten only once its requests are all too old to pass the time check.
 
 The answer is signed too (:meth:`Verifier.answer_signature`): an HMAC of the request's signature, the
-status, the identity, the length and the checksum of the bytes. Whatever answers on a peer's address
-without the secret (a process that took the port of a service that died) cannot make an answer the
-asking side accepts.
+status and the answer's table (each object's origin, length and checksum of its bytes). Whatever
+answers on a peer's address without the secret (a process that took the port of a service that died)
+cannot make an answer the asking side accepts.
 """
 
 from __future__ import annotations
@@ -76,11 +76,10 @@ def _mac(secret: bytes, message: bytes) -> str:
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
-def answer_signature(
-    secret: bytes, request_sig: str, status: int, identity: str, length: int, crc: str
-) -> str:
-    """The signature of an answer to the request signed ``request_sig``."""
-    text = f"{SCHEME} answer\n{request_sig}\n{status}\n{identity}\n{length}\n{crc}"
+def answer_signature(secret: bytes, request_sig: str, status: int, table: str) -> str:
+    """The signature of an answer to the request signed ``request_sig``: its status and its table (each
+    object's origin, length and checksum, :mod:`.service`)."""
+    text = f"{SCHEME} answer\n{request_sig}\n{status}\n{table}"
     return _mac(secret, text.encode("utf-8", "surrogatepass"))
 
 
@@ -189,5 +188,5 @@ class Verifier:
         for c in stale:
             del self._clients[c]
 
-    def answer_signature(self, request_sig: str, status: int, identity: str, length: int, crc: str) -> str:
-        return answer_signature(self.secret, request_sig, status, identity, length, crc)
+    def answer_signature(self, request_sig: str, status: int, table: str) -> str:
+        return answer_signature(self.secret, request_sig, status, table)

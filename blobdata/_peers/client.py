@@ -2,27 +2,34 @@
 whenever the peer cannot give exactly the object's bytes in time.
 
 One :class:`PeerClient` per process (made with the process's read state, so a forked worker has its
-own: its own connections, client id and sequence numbers). Per peer it keeps at most ``per_peer``
-requests in flight and latency estimates (RFC 6298's smoothed mean and deviation) of its answers from
-its cache and of those it read from the bucket first; a read, once sent, waits for the peer until
+own: its own connections, client id and sequence numbers). The reads the loop starts in one turn (a
+batch the look-ahead schedules, a batch's misses) wait for their peer together and go as one request
+per peer (:mod:`.service`'s batch form): the signing, the HTTP heads, the checks of the signature and
+the round trip are paid per request, not per object. Per peer at most ``per_peer`` objects are in
+flight; what comes meanwhile waits and goes in the next request once one is answered.
+
+Per peer it keeps latency estimates (RFC 6298's smoothed mean and deviation) of its answers from its
+cache and of those it read from the bucket first; a request, once sent, waits for the peer until
 ``mean + 4 deviations`` of the kind the peer mostly gives lately (at least :data:`HEDGE_MIN_S`, at most
-:data:`HEDGE_MAX_S`), then also asks the bucket and takes whichever answers first (a hedged request,
-Dean and Barroso's "The Tail at Scale"), within a budget of :data:`HEDGE_SHARE` of the reads; past the
-budget it waits for the peer up to a deadline, then gives it up for a while. What the peer sends is
-checked as a cache entry is, and more: the answer's signature under the job's secret (bound to this
-very request), the identity asked for, the length listed, the CRC32C. A peer that cannot be reached,
-refuses, answers wrong or not in time is left alone for a while (1 s, doubling up to 30 s while it
-keeps failing), and its objects come from the bucket meanwhile: a peer never costs a wrong byte or a
-failed read, only bucket reads.
+:data:`HEDGE_MAX_S`), then its reads also ask the bucket and take whichever answers first (a hedged
+request, Dean and Barroso's "The Tail at Scale"), within a budget of :data:`HEDGE_SHARE` of the reads;
+past the budget a read waits for the peer up to a deadline, then the peer is given up for a while.
+What the peer sends is checked as a cache entry is, and more: the answer's signature under the job's
+secret (bound to this very request, so to each object's URL, identity and size), each object's length
+as listed, its CRC32C. A peer that cannot be reached, refuses, answers wrong or not in time is left
+alone for a while (1 s, doubling up to 30 s while it keeps failing), and its objects come from the
+bucket meanwhile: a peer never costs a wrong byte or a failed read, only bucket reads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import quote
 
 from .._metrics import stats as _stats
@@ -31,7 +38,7 @@ from .auth import Signer, answer_signature
 from .config import PeerTable
 from .homes import Homes
 from .rendezvous import service_of
-from .service import PATH, crc_text
+from .service import MAX_OBJECTS, MAX_TARGET, PATH, crc_text
 
 __all__ = ["HEDGE_MAX_S", "HEDGE_MIN_S", "HEDGE_SHARE", "PeerClient"]
 
@@ -48,6 +55,8 @@ HEDGE_SHARE, _HEDGE_BURST = 0.05, 10.0
 #: Without a hedge to spend, a read waits for the peer this long (or this many times the hedge's
 #: wait, if longer), then gives the peer up for a while and reads the bucket.
 _DEADLINE_S, _DEADLINE_TIMES = 5.0, 4.0
+#: The most bytes of answer one request asks for (a single larger object goes alone).
+_BATCH_BYTES = 64 * 2**20
 _TIMEOUT_S = 30.0  # a peer's answer, connect to last byte, at most
 
 
@@ -72,18 +81,24 @@ class _Latency:
 
 class _Peer:
     """One peer as this process sees it: its latency when it answers from its cache (warm) and when it
-    reads the object from the bucket first (cold), and how often it did the latter lately."""
+    reads an object from the bucket first (cold), how often it did the latter lately, the reads waiting
+    for a request to it and the objects in flight."""
 
-    __slots__ = ("backoff", "cold", "cold_share", "down_until", "host", "origin", "sem", "warm")
+    __slots__ = (
+        "backoff", "cold", "cold_share", "down_until", "host", "inflight", "origin", "pending", "queued",
+        "warm",
+    )  # fmt: skip
 
     def __init__(self, address: str) -> None:
         self.origin = "http://" + address
         self.host = address
-        self.sem: asyncio.Semaphore | None = None
         self.warm, self.cold = _Latency(), _Latency()
         self.cold_share = 1.0  # until it answers, what it holds is unknown: a cold start
         self.down_until = 0.0
         self.backoff = _DOWN_S
+        self.pending: collections.deque[_Want] = collections.deque()
+        self.queued = False  # a dispatch of ``pending`` is scheduled on the loop
+        self.inflight = 0  # objects asked of it and not answered yet
 
     def hedge_after(self) -> float:
         """How long a request may take before the bucket is asked too: as long as a cold answer takes
@@ -101,6 +116,19 @@ class _Peer:
         self.backoff = min(_DOWN_MAX_S, self.backoff * 2.0)
 
 
+class _Want:
+    """One read waiting for a peer: ``fut`` gets the peer's bytes, None (the bucket's turn) or
+    :data:`_HEDGE` (the peer is slow: ask the bucket too, and ``late`` gets the peer's answer)."""
+
+    __slots__ = ("fut", "late", "query", "size")
+
+    def __init__(self, query: str, size: int, fut: asyncio.Future[Any]) -> None:
+        self.query, self.size, self.fut = query, size, fut
+        self.late: asyncio.Future[bytes | None] | None = None
+
+
+_HEDGE = object()
+
 Bucket = Callable[[], Awaitable[tuple[bytes, str]]]
 
 
@@ -115,6 +143,7 @@ class PeerClient:
         self._peers = [_Peer(a) for a in table.addresses]
         self._tokens = _HEDGE_BURST  # hedges this process may start now
         self._pool: H1Pool | None = None  # made on the loop at the first ask (one process, one loop)
+        self._batches: set[asyncio.Task[None]] = set()  # requests in flight (held: a task is weakly kept)
 
     def _get_pool(self) -> H1Pool:
         if self._pool is None:
@@ -148,92 +177,143 @@ class PeerClient:
         self, peer: _Peer, url: str, size: int, identity: str, bucket: Bucket
     ) -> tuple[bytes | None, asyncio.Future[tuple[bytes, str]] | None]:
         """The peer's bytes, or None and the bucket read started meanwhile (if one was: the peer was
-        slow). A request waits here for one of the peer's ``per_peer`` slots; the hedge's clock starts
-        once it has one (the wait is this process's own queue, not the peer's slowness)."""
-        if peer.sem is None:
-            peer.sem = asyncio.Semaphore(self.table.per_peer)
-        async with peer.sem:
-            if peer.down_until > time.monotonic():  # it failed while this one waited
-                return None, None
-            ask = asyncio.ensure_future(self._ask(peer, url, size, identity))
-            hedge: asyncio.Future[tuple[bytes, str]] | None = None
+        slow). The read joins the next request to the peer (:meth:`_dispatch`); the request decides
+        when a read is slow (:meth:`_batch`), and a slow read races the bucket here."""
+        loop = asyncio.get_running_loop()
+        want = _Want(
+            f"u={quote(url, safe='')}&e={quote(identity, safe='')}&n={size}", size, loop.create_future()
+        )
+        peer.pending.append(want)
+        if not peer.queued:  # every read the loop starts in this turn joins the same request
+            peer.queued = True
+            loop.call_soon(self._dispatch, peer)
+        got = await want.fut
+        if got is not _HEDGE:
+            return got, None
+        late = want.late
+        assert late is not None
+        hedge = asyncio.ensure_future(bucket())
+        try:
+            await asyncio.wait((late, hedge), return_when=asyncio.FIRST_COMPLETED)
+            if not late.done() and hedge.exception() is not None:
+                await late  # the bucket failed: the peer may still answer
+            data = late.result() if late.done() else None
+            if data is not None:
+                hedge.cancel()
+                await asyncio.gather(hedge, return_exceptions=True)
+                return data, None
+            return None, hedge
+        except BaseException:
+            hedge.cancel()
+            raise
+
+    def _dispatch(self, peer: _Peer) -> None:
+        """Send what waits for ``peer`` as requests of up to :data:`MAX_OBJECTS` objects (and a
+        target of :data:`MAX_TARGET` bytes, :data:`_BATCH_BYTES` of answer), while fewer than
+        ``per_peer`` objects are in flight to it; the rest waits for one to be answered."""
+        peer.queued = False
+        pending = peer.pending
+        if peer.down_until > time.monotonic():  # it failed meanwhile: the bucket's turn for all
+            while pending:
+                _settle(pending.popleft().fut, None)
+            return
+        room = self.table.per_peer - peer.inflight
+        while pending and room > 0:
+            batch: list[_Want] = []
+            length, nbytes = len(PATH), 0
+            while pending and len(batch) < min(room, MAX_OBJECTS):
+                want = pending[0]
+                if want.fut.done():  # its reader left
+                    pending.popleft()
+                    continue
+                if batch and (length + 1 + len(want.query) > MAX_TARGET or nbytes + want.size > _BATCH_BYTES):
+                    break
+                batch.append(pending.popleft())
+                length += 1 + len(want.query)
+                nbytes += want.size
+            if not batch:
+                break
+            room -= len(batch)
+            peer.inflight += len(batch)
+            task = asyncio.get_running_loop().create_task(self._batch(peer, batch))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _batch(self, peer: _Peer, batch: list[_Want]) -> None:
+        """One request to ``peer`` for ``batch``, each read given its answer. Past the peer's usual
+        latency (:meth:`_Peer.hedge_after`) a read still waiting is told to race the bucket, within the
+        hedge budget; the others wait up to a deadline, past which the peer is given up for a while."""
+        got: list[bytes | None] | None = None
+        try:
+            ask = asyncio.ensure_future(self._ask(peer, batch))
             try:
                 after = peer.hedge_after()
                 done, _ = await asyncio.wait((ask,), timeout=after)
                 if done:
-                    self._tokens = min(_HEDGE_BURST, self._tokens + HEDGE_SHARE)
-                    return ask.result(), None
-                if self._tokens < 1.0:  # no hedge left to spend: the peer has until its deadline
-                    done, _ = await asyncio.wait(
-                        (ask,), timeout=max(_DEADLINE_S, _DEADLINE_TIMES * after) - after
-                    )
-                    if done:
-                        return ask.result(), None
-                    ask.cancel()
-                    await asyncio.gather(ask, return_exceptions=True)
-                    self._failed(
-                        peer, f"did not answer within {max(_DEADLINE_S, _DEADLINE_TIMES * after):.1f} s"
-                    )
-                    return None, None
-                self._tokens -= 1.0
-                _stats.rec()[_stats.PEER_HEDGED] += 1
-                hedge = asyncio.ensure_future(bucket())
-                await asyncio.wait((ask, hedge), return_when=asyncio.FIRST_COMPLETED)
-                if not ask.done() and hedge.exception() is not None:
-                    await ask  # the bucket failed: the peer may still answer
-                if ask.done():
-                    got = ask.result()
-                    if got is not None:
-                        hedge.cancel()
-                        await asyncio.gather(hedge, return_exceptions=True)
-                        return got, None
-                    return None, hedge
-                ask.cancel()
-                await asyncio.gather(ask, return_exceptions=True)
-                return None, hedge
+                    self._tokens = min(_HEDGE_BURST, self._tokens + HEDGE_SHARE * len(batch))
+                else:
+                    for want in batch:
+                        if not want.fut.done() and self._tokens >= 1.0:
+                            self._tokens -= 1.0
+                            _stats.rec()[_stats.PEER_HEDGED] += 1
+                            want.late = asyncio.get_running_loop().create_future()
+                            want.fut.set_result(_HEDGE)
+                    deadline = max(_DEADLINE_S, _DEADLINE_TIMES * after)
+                    done, _ = await asyncio.wait((ask,), timeout=deadline - after)
+                    if not done:
+                        ask.cancel()
+                        await asyncio.gather(ask, return_exceptions=True)
+                        self._failed(peer, f"did not answer within {deadline:.1f} s")
+                got = ask.result() if done else None
             except BaseException:
-                for task in (ask, hedge):
-                    if task is not None:
-                        task.cancel()
+                ask.cancel()
                 raise
+        finally:
+            for k, want in enumerate(batch):
+                _settle(want.late if want.late is not None else want.fut, got[k] if got is not None else None)
+            peer.inflight -= len(batch)
+            if peer.pending and not peer.queued:
+                peer.queued = True
+                asyncio.get_running_loop().call_soon(self._dispatch, peer)
 
-    async def _ask(self, peer: _Peer, url: str, size: int, identity: str) -> bytes | None:
-        """The peer's answer, checked; None if it has none for us (timed and noted either way)."""
-        ident = quote(identity, safe="")
-        target = f"{PATH}?u={quote(url, safe='')}&e={ident}&n={size}"
+    async def _ask(self, peer: _Peer, batch: list[_Want]) -> list[bytes | None] | None:
+        """The peer's answer for each read of ``batch``, checked (None: it has none for that one); None
+        if the whole answer is not to be used (timed and noted either way)."""
+        target = PATH + "?" + "&".join(w.query for w in batch)
         headers, sig = self._signer.sign("GET", target)
         headers["Host"] = peer.host
         t = time.perf_counter()
         try:
-            resp = await self._get_pool().get(peer.origin, target, headers, _TIMEOUT_S, max_body=size)
+            resp = await self._get_pool().get(
+                peer.origin, target, headers, _TIMEOUT_S, max_body=sum(w.size for w in batch)
+            )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # unreachable, reset, timed out, or not HTTP: the bucket's turn
             self._failed(peer, f"unreachable ({type(exc).__name__}: {exc})")
             return None
         seconds = time.perf_counter() - t
-        if resp.status == 503:  # busy: this read goes to the bucket, the peer stays in use
-            return None
-        h = resp.headers
-        body = resp.body
-        crc = h.get("X-Blobdata-Crc") or ""
-        want = answer_signature(self.table.secret, sig, resp.status, ident, len(body), crc)
+        if resp.status == 503:  # busy: these reads go to the bucket, the peer stays in use
+            return [None] * len(batch)
         if resp.status != 200:
             self._failed(peer, f"answered {resp.status}: {resp.body[:200]!r}")
             return None
-        if (
-            h.get("X-Blobdata-Identity") != ident
-            or len(body) != size
-            or not hmac.compare_digest((h.get("X-Blobdata-Signature") or "").encode("latin-1"), want.encode())
-            or crc_text(body) != crc
-        ):
+        table = resp.headers.get("X-Blobdata-Table") or ""
+        want = answer_signature(self.table.secret, sig, 200, table)
+        out, cold = None, False
+        signed = (resp.headers.get("X-Blobdata-Signature") or "").encode("latin-1")
+        if hmac.compare_digest(signed, want.encode()):
+            out, cold = _split(table, resp.body, [w.size for w in batch])
+        if out is None:
             _stats.rec()[_stats.PEER_WRONG] += 1
-            self._failed(peer, f"sent {url} wrong (identity, length, signature or checksum)")
+            self._failed(peer, "sent a wrong answer (signature, table, length or checksum)")
             return None
-        peer.timed(seconds, h.get("X-Blobdata-From") == "bucket")
+        peer.timed(seconds, cold)
         if peer is not self._peers[self.me]:
-            _stats.note_peer(seconds, len(body))
-        return body
+            for data in out:
+                if data is not None:
+                    _stats.note_peer(seconds, len(data))
+        return out
 
     @staticmethod
     def _failed(peer: _Peer, why: str) -> None:
@@ -243,7 +323,44 @@ class PeerClient:
         peer.failed(time.monotonic())
 
     async def aclose(self) -> None:
-        """Close this process's connections to the peers."""
+        """Close this process's connections to the peers (a request in flight is given up: its reads
+        go to the bucket)."""
+        for task in list(self._batches):
+            task.cancel()
+        await asyncio.gather(*self._batches, return_exceptions=True)
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.aclose()
+
+
+def _settle(fut: asyncio.Future[Any], value: bytes | None) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _split(table: str, body: bytes, sizes: list[int]) -> tuple[list[bytes | None] | None, bool]:
+    """Each object's bytes from an answer's ``body`` as its ``table`` says (None for ``-``: the bucket
+    refused it), checked against the ``sizes`` asked and its checksum; and whether any was read from
+    the bucket first. ``(None, False)`` for an answer that is wrong in any way."""
+    entries = table.split(" ")
+    if len(entries) != len(sizes):
+        return None, False
+    out: list[bytes | None] = []
+    view = memoryview(body)
+    pos, cold = 0, False
+    for entry, size in zip(entries, sizes, strict=True):
+        if entry == "-":
+            out.append(None)
+            continue
+        n, dot, crc = entry[1:].partition(".")
+        if entry[:1] not in ("c", "b") or not dot or n != str(size) or pos + size > len(body):
+            return None, False
+        data = body if size == len(body) else bytes(view[pos : pos + size])
+        if crc_text(data) != crc:
+            return None, False
+        pos += size
+        cold |= entry[0] == "b"
+        out.append(data)
+    if pos != len(body):
+        return None, False
+    return out, cold

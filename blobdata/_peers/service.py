@@ -1,17 +1,27 @@
 """A node's peer service: the cache entries of the objects this node is home for, served to the job's
 other nodes over HTTP/1.1 (:mod:`.server`), to requests signed under the job's secret (:mod:`.auth`).
 
-What a request may name: ``GET /blobdata/v1/object?u=<object URL>&e=<identity>&n=<size>``, an object of
-a source registered here (a dataset of this job in this process: its root is a prefix of the URL and
-the rest is a plain relative key, no ``.``, ``..`` or empty segment: a path outside the cache is refused
-with 404), pinned to an identity (ETag, generation), and whose home is this node (else 421: a request
-is never passed on to a third node). The answer is the cache's entry when the cache holds it (read and
-checked as every cache read is), else the object read from the bucket through the source's own read
-path (the node's throttle state, the one retry budget, pinned to the identity), once however many ask
-for it at the same time, and cached. The bytes go with their identity, their CRC32C and a signature
-over them (:func:`~blobdata._peers.auth.answer_signature`).
+A request names one object or a batch of them, each pinned to an identity (ETag, generation) and a
+size: ``GET /blobdata/v1/object?u=<object URL>&e=<identity>&n=<size>``, the three fields repeated in
+this order for each further object (at most :data:`MAX_OBJECTS`, the target at most
+:data:`MAX_TARGET` bytes). The asking side sends one request per peer for what its look-ahead wants of
+that peer at once: the signatures, the HTTP heads and the round trip are paid per batch, not per
+object. Each object must be of a source registered here (a dataset of this job in this process: its
+root is a prefix of the URL and the rest is a plain relative key, no ``.``, ``..`` or empty segment:
+else the whole request is refused with 404, a path outside the cache) and homed on this node (else
+421: a request is never passed on to a third node). Each answer is the cache's entry when the cache
+holds it (the batch's entries found with one index query, read and checked as every cache read is),
+else the object read from the bucket through the source's own read path (the node's throttle state,
+the one retry budget, pinned to the identity), once however many ask for it at the same time, and
+cached.
 
-Bounds: requests in flight per asking node (:attr:`Service.per_peer`, beyond: 503), bytes of answers in
+The answer (200) carries the objects' bytes one after the other, in the order asked, and a table
+(``X-Blobdata-Table``), one entry per object asked: ``c`` (from the cache) or ``b`` (read from the
+bucket first), its length, ``.`` and its CRC32C (:func:`crc_text`); or ``-``: the bucket refused that
+object (its asker reads it itself). The table is signed, bound to the request's signature
+(:func:`~blobdata._peers.auth.answer_signature`).
+
+Bounds: objects in flight per asking node (:attr:`Service.per_peer`, beyond: 503), bytes of answers in
 flight for all (:attr:`Service.max_bytes`, beyond: 503), connections (:class:`~.server.Server`); the
 objects just read from the bucket are kept for a moment (:data:`RECENT_BYTES` at most) so that an ask
 that comes before the cache writer committed them is not read twice.
@@ -25,7 +35,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 from .._cache import BlobCache, checksum
 from .._errors import BlobdataError, ConfigError
@@ -35,12 +45,14 @@ from .auth import Refused, Verifier
 from .homes import Homes
 from .server import Reply, Request, Server
 
-__all__ = ["PATH", "RECENT_BYTES", "Service", "Source", "crc_text"]
+__all__ = ["MAX_OBJECTS", "MAX_TARGET", "PATH", "RECENT_BYTES", "Service", "Source", "crc_text"]
 
 PATH = "/blobdata/v1/object"
 RECENT_BYTES = 64 * 2**20
 _RECENT_S = 5.0  # seconds an object just read is kept for asks that come before the cache has it
-_MAX_URL = 8192
+#: Objects one request may ask for, and the bytes of its target (path and query; the head's bound,
+#: :data:`~.server.MAX_HEAD`, leaves room for the signature's headers).
+MAX_OBJECTS, MAX_TARGET = 256, 12 * 1024
 
 #: ``fetch(owner, url, size, identity)``: one object read from the bucket (the service caches it).
 Fetch = Callable[[Any, str, "int | None", str], Awaitable[bytes]]
@@ -128,91 +140,119 @@ class Service:
         except Refused as exc:
             self._refuse(exc.reason)
             return _plain(exc.status, exc.reason)
-        url, identity, size = self._parse(req.target)
-        if not url:
+        asked = self._parse(req.target)
+        if not asked:
             self._refuse("malformed")
-            return _plain(400, "expected " + PATH + "?u=URL&e=IDENTITY&n=SIZE")
-        found = self._source_of(url)
-        if found is None:
-            self._refuse("outside")
-            return _plain(404, "not an object of this job's datasets")
+            return _plain(400, "expected " + PATH + "?u=URL&e=IDENTITY&n=SIZE, repeated for each object")
+        found: list[tuple[Source, Any]] = []
+        for url, _, _ in asked:
+            one = self._source_of(url)
+            if one is None:
+                self._refuse("outside")
+                return _plain(404, "not an object of this job's datasets")
+            found.append(one)
         homes = self.homes
-        if homes is None or homes.home_of(url) != self.me:
+        if homes is None or any(homes.home_of(url) != self.me for url, _, _ in asked):
             self._refuse("not home")
             return _plain(421, "this node is not the object's home")
-        need = max(size, 0)
-        if self._inflight[node] >= self.per_peer or self._bytes + need > self.max_bytes:
+        need = sum(max(size, 0) for _, _, size in asked)
+        if self._inflight[node] + len(asked) > self.per_peer or self._bytes + need > self.max_bytes:
             self._refuse("busy")
             return _plain(503, "busy")
-        self._inflight[node] += 1
+        self._inflight[node] += len(asked)
         self._bytes += need
         try:
-            data, origin = await self._object(found, url, identity, size)
-        except BlobdataError as exc:
-            self._refuse("bucket")
-            return _plain(502, f"{type(exc).__name__}: the bucket refused the object")
+            got = await self._objects([(f, *one) for f, one in zip(found, asked, strict=True)])
         finally:
-            self._inflight[node] -= 1
+            self._inflight[node] -= len(asked)
             if not self._inflight[node]:
                 del self._inflight[node]
             self._bytes -= need
-        crc = crc_text(data)
-        ident = quote(identity, safe="")
+        entries: list[str] = []
+        datas: list[bytes] = []
+        for answer in got:
+            if isinstance(answer, BlobdataError):
+                entries.append("-")
+                self._refuse("bucket")
+                continue
+            data, origin = answer
+            entries.append(f"{origin[0]}{len(data)}.{crc_text(data)}")
+            datas.append(data)
         v = _stats.rec()
-        v[_stats.PEER_SERVED] += 1
-        v[_stats.PEER_SERVED_BYTES] += len(data)
-        headers = {
-            "X-Blobdata-Identity": ident,
-            "X-Blobdata-Crc": crc,
-            "X-Blobdata-From": origin,
-            "X-Blobdata-Signature": self.verifier.answer_signature(sig, 200, ident, len(data), crc),
-        }
-        return Reply(200, headers, data)
+        v[_stats.PEER_SERVED] += len(datas)
+        v[_stats.PEER_SERVED_BYTES] += sum(len(d) for d in datas)
+        table = " ".join(entries)
+        signature = self.verifier.answer_signature(sig, 200, table)
+        headers = {"X-Blobdata-Table": table, "X-Blobdata-Signature": signature}
+        return Reply(200, headers, datas[0] if len(datas) == 1 else b"".join(datas))
 
     def _refuse(self, reason: str) -> None:
         self.refused[reason] += 1
         _stats.rec()[_stats.PEER_REFUSED] += 1
 
     @staticmethod
-    def _parse(target: str) -> tuple[str, str, int]:
-        """``(url, identity, size)`` of a request target ``PATH?u=..&e=..&n=..`` (in this order, as the
-        asking side writes it); ``("", "", 0)`` if it is not one."""
+    def _parse(target: str) -> list[tuple[str, str, int]]:
+        """``(url, identity, size)`` of each object a request target ``PATH?u=..&e=..&n=..[&u=..]``
+        asks for (the three fields in this order, as the asking side writes them); ``[]`` if it is not
+        such a target."""
         path, _, query = target.partition("?")
         fields = query.split("&")
-        if path != PATH or len(target) > _MAX_URL or len(fields) != 3:
-            return "", "", 0
-        u, e, n = fields
-        if not (u.startswith("u=") and e.startswith("e=") and n.startswith("n=")):
-            return "", "", 0
-        try:
-            url, identity = unquote(u[2:], errors="strict"), unquote(e[2:], errors="strict")
-        except UnicodeDecodeError:
-            return "", "", 0
-        size = n[2:]
-        if not url or not identity or not size.lstrip("-").isdigit() or len(size) > 19:
-            return "", "", 0
-        return url, identity, int(size)
+        if path != PATH or len(target) > MAX_TARGET or len(fields) % 3 or len(fields) > 3 * MAX_OBJECTS:
+            return []
+        out: list[tuple[str, str, int]] = []
+        for k in range(0, len(fields), 3):
+            u, e, n = fields[k : k + 3]
+            if not (u.startswith("u=") and e.startswith("e=") and n.startswith("n=")):
+                return []
+            try:
+                url, identity = unquote(u[2:], errors="strict"), unquote(e[2:], errors="strict")
+            except UnicodeDecodeError:
+                return []
+            size = n[2:]
+            if not url or not identity or not size.lstrip("-").isdigit() or len(size) > 19:
+                return []
+            out.append((url, identity, int(size)))
+        return out
 
-    async def _object(
-        self, found: tuple[Source, Any], url: str, identity: str, size: int
-    ) -> tuple[bytes, str]:
-        """The object's bytes and where they came from ("cache", "bucket")."""
-        source, owner = found
+    async def _objects(
+        self, asked: list[tuple[tuple[Source, Any], str, str, int]]
+    ) -> list[tuple[bytes, str] | BlobdataError]:
+        """Each asked object's bytes and where they came from ("cache", "bucket"), or the error the
+        bucket gave for it: what was just read, then the cache (one index query per source), then the
+        bucket (once per object, however many ask at the same time), all at once."""
+        out: list[tuple[bytes, str] | BlobdataError | None] = [None] * len(asked)
+        look: dict[int, list[int]] = {}  # id(cache) -> positions to look up there
+        for k, ((source, _), url, identity, _) in enumerate(asked):
+            recent = self._recent.get((url, identity))
+            if recent is not None:
+                out[k] = (recent[1], "cache")
+            else:
+                look.setdefault(id(source.cache), []).append(k)
+        for ks in look.values():
+            cache = asked[ks[0]][0][0].cache
+            for k, data in zip(ks, cache.get_many([asked[k][1:3] for k in ks]), strict=True):
+                size = asked[k][3]
+                if data is not None and (size < 0 or len(data) == size):
+                    out[k] = (data, "cache")
+        reads = [(k, self._fetch(*asked[k])) for k in range(len(asked)) if out[k] is None]
+        if reads:
+            # shield: a request whose asker left does not cancel the reads the others wait for
+            got = await asyncio.gather(*(asyncio.shield(f) for _, f in reads), return_exceptions=True)
+            for (k, _), one in zip(reads, got, strict=True):
+                if isinstance(one, BaseException) and not isinstance(one, BlobdataError):
+                    raise one
+                out[k] = one if isinstance(one, BlobdataError) else (one, "bucket")
+        return [one for one in out if one is not None]
+
+    def _fetch(self, found: tuple[Source, Any], url: str, identity: str, size: int) -> asyncio.Future[bytes]:
+        """The read of ``url`` from the bucket: the one in flight, else a new one."""
         key = (url, identity)
-        recent = self._recent.get(key)
-        if recent is not None:
-            return recent[1], "cache"
-        data = source.cache.get(url, identity)
-        if data is not None and (size < 0 or len(data) == size):
-            return data, "cache"
         fut = self._fetching.get(key)
         if fut is None:
-            fut = self._fetching[key] = asyncio.ensure_future(
-                self._read(source, owner, url, identity, size)
-            )
+            source, owner = found
+            fut = self._fetching[key] = asyncio.ensure_future(self._read(source, owner, url, identity, size))
             fut.add_done_callback(_retrieve)  # every asker may have left: its error is read here
-        # shield: a request whose asker left does not cancel the read the others wait for
-        return await asyncio.shield(fut), "bucket"
+        return fut
 
     async def local(self, url: str, identity: str, size: int) -> bytes | None:
         """An object this node is home for, read by this process itself (the look-ahead, a hand-over)
@@ -221,7 +261,10 @@ class Service:
         found = self._source_of(url)
         if found is None:
             return None
-        return (await self._object(found, url, identity, size))[0]
+        got = (await self._objects([(found, url, identity, size)]))[0]
+        if isinstance(got, BlobdataError):
+            raise got
+        return got[0]
 
     async def _read(self, source: Source, owner: Any, url: str, identity: str, size: int) -> bytes:
         """The object read from the bucket, then put in the cache (in a thread: a put is a transaction)

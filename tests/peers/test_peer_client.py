@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import quote
 
 import pytest
 
@@ -28,8 +27,8 @@ REAL = b"the object's own bytes" * 100
 
 
 class _Impostor(http.server.BaseHTTPRequestHandler):
-    """Answers as a peer would, but without the job's secret: the bytes of its choice, their true CRC,
-    the identity asked for, a made-up signature; or ``status``, or nothing for ``delay_s``."""
+    """Answers as a peer would, but without the job's secret: the bytes of its choice, a table with
+    their true length and CRC, a made-up signature; or ``status``, or nothing for ``delay_s``."""
 
     body = b"x" * len(REAL)
     status = 200
@@ -41,9 +40,7 @@ class _Impostor(http.server.BaseHTTPRequestHandler):
         time.sleep(self.delay_s)
         self.send_response(self.status)
         self.send_header("Content-Length", str(len(self.body)))
-        self.send_header("X-Blobdata-Identity", quote(IDENT, safe=""))
-        self.send_header("X-Blobdata-Crc", crc_text(self.body))
-        self.send_header("X-Blobdata-From", "cache")
+        self.send_header("X-Blobdata-Table", f"c{len(self.body)}.{crc_text(self.body)}")
         self.send_header("X-Blobdata-Signature", "0" * 64)
         self.end_headers()
         self.wfile.write(self.body)
@@ -142,3 +139,32 @@ def test_a_slow_peer_is_hedged_and_a_stalled_one_given_up(impostor: tuple[type[_
     assert _slots("PEER_HEDGED")[0] - hedged0 == 1
     asked = handler.asked
     assert _read(client, bucket) == (REAL, False) and handler.asked == asked  # given up: not asked
+
+
+def test_an_answer_whose_table_does_not_match_its_bytes_or_the_request_is_refused() -> None:
+    """What a signed answer's table says is checked against the bytes and what was asked: a peer with
+    the secret but a bug (or bytes changed on the way) gives no wrong byte either."""
+    from blobdata._peers.client import _split
+
+    one, two = b"a" * 10, b"b" * 7
+    good = f"c10.{crc_text(one)} b7.{crc_text(two)}"
+    assert _split(good, one + two, [10, 7]) == ([one, two], True)
+    assert _split(f"c10.{crc_text(one)} -", one, [10, 7]) == ([one, None], False)
+    wrong = {
+        "one entry short": (f"c10.{crc_text(one)}", one + two, [10, 7]),
+        "one entry more": (good + " -", one + two, [10, 7]),
+        "a length other than asked": (
+            f"c10.{crc_text(one)} b8.{crc_text(two + b'b')}",
+            one + two + b"b",
+            [10, 7],
+        ),
+        "bytes beyond the table": (good, one + two + b"x", [10, 7]),
+        "bytes short": (good, one + two[:-1], [10, 7]),
+        "swapped bytes": (good, two + one, [10, 7]),
+        "a changed byte": (good, one + b"c" + two[1:], [10, 7]),
+        "an unknown origin": (f"x10.{crc_text(one)} b7.{crc_text(two)}", one + two, [10, 7]),
+        "no checksum": ("c10 b7", one + two, [10, 7]),
+        "a length with a sign": (f"c+10.{crc_text(one)} b7.{crc_text(two)}", one + two, [10, 7]),
+    }
+    for why, (table, body, sizes) in wrong.items():
+        assert _split(table, body, sizes) == (None, False), why

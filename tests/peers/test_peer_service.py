@@ -106,12 +106,9 @@ def test_a_signed_request_gets_the_object_read_once_then_from_the_cache(served: 
         body = resp.read()
         conn.close()
         assert resp.status == 200 and body == payload(int(url.rsplit("/", 1)[1][:4]))
-        crc = resp.getheader("X-Blobdata-Crc") or ""
-        assert crc == crc_text(body) and resp.getheader("X-Blobdata-From") == origin
-        ident_q = quote(ident, safe="")
-        assert resp.getheader("X-Blobdata-Identity") == ident_q
-        want = answer_signature(SECRET, sig, 200, ident_q, len(body), crc)
-        assert resp.getheader("X-Blobdata-Signature") == want
+        table = resp.getheader("X-Blobdata-Table") or ""
+        assert table == f"{origin[0]}{size}.{crc_text(body)}"
+        assert resp.getheader("X-Blobdata-Signature") == answer_signature(SECRET, sig, 200, table)
     assert _gets(served.proxy) == 1  # read from the bucket once; cached before it was answered
     assert served.cache.get(url, ident) is not None
 
@@ -285,3 +282,154 @@ def test_another_user_of_the_node_can_neither_ask_nor_find_the_secret(served: Se
             if path.is_file():
                 data = path.read_bytes()
                 assert SECRET not in data and SECRET.hex().encode() not in data, path
+
+
+# -- batches: one request for many objects ------------------------------------------------------------
+def _batch(*objects: tuple[str, str, int]) -> str:
+    return PATH + "?" + "&".join(_target(*o).split("?", 1)[1] for o in objects)
+
+
+def _number(url: str) -> int:
+    return int(url.rsplit("/", 1)[1][:4])
+
+
+def test_a_batch_is_answered_in_order_each_object_from_the_cache_or_read_once(served: Served) -> None:
+    a, b, c = served.objects[:3]
+    target = _target(*a)
+    assert _ask(served.port, target, _signed(target)[0]).status == 200  # a is cached now
+    target = _batch(b, a, c, b)  # b twice: read from the bucket once all the same
+    headers, sig = _signed(target)
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    conn.request("GET", target, headers=headers)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    assert resp.status == 200
+    table = resp.getheader("X-Blobdata-Table") or ""
+    assert resp.getheader("X-Blobdata-Signature") == answer_signature(SECRET, sig, 200, table)
+    want = [payload(_number(o[0])) for o in (b, a, c, b)]
+    assert body == b"".join(want)
+    assert [e[0] for e in table.split(" ")] == ["b", "c", "b", "b"]
+    assert table.split(" ") == [
+        f"{e[0]}{len(w)}.{crc_text(w)}" for e, w in zip(table.split(" "), want, strict=True)
+    ]
+    assert _gets(served.proxy) == 3  # a once, then b and c once each
+
+
+def test_a_batch_with_one_object_outside_or_of_another_home_is_refused_whole(
+    served: Served, s3_bucket: Any
+) -> None:
+    mine, other = served.objects[0], served.others[0]
+    outside = (s3_bucket.url("secret/key.bin"), mine[1], 13)
+    for objects, status in (((mine, other), 421), ((mine, outside), 404), ((other, mine), 421)):
+        target = _batch(*objects)
+        assert _ask(served.port, target, _signed(target)[0]).status == status
+    assert _gets(served.proxy) == 0 and served.cache.get(mine[0], mine[1]) is None
+
+
+def test_an_object_the_bucket_refuses_is_marked_and_the_others_served(served: Served) -> None:
+    a, b = served.objects[:2]
+    changed = (b[0], '"not-its-etag"', b[2])  # pinned to an identity the bucket does not have
+    target = _batch(a, changed)
+    headers, sig = _signed(target)
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    conn.request("GET", target, headers=headers)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    table = resp.getheader("X-Blobdata-Table") or ""
+    assert resp.status == 200 and table.split(" ")[1] == "-" and table.startswith("b")
+    assert body == payload(_number(a[0])) and resp.getheader("X-Blobdata-Signature") == answer_signature(
+        SECRET, sig, 200, table
+    )
+    assert served.cache.get(b[0], changed[1]) is None and served.service.refused["bucket"] == 1
+
+
+def test_a_batch_beyond_the_bounds_is_refused_and_reads_nothing(served: Served) -> None:
+    from blobdata._peers.service import MAX_OBJECTS, MAX_TARGET
+
+    a = served.objects[0]
+    tiny = "&".join(
+        ["u=s3%3A%2F%2Fb%2Fk&e=x&n=1"] * MAX_OBJECTS
+    )  # the count's bound, apart from the length's
+    assert len(Service._parse(f"{PATH}?{tiny}")) == MAX_OBJECTS
+    assert Service._parse(f"{PATH}?{tiny}&u=s3%3A%2F%2Fb%2Fk&e=x&n=1") == []
+    for bad in ("u=s3%3A%2F%2Fb%2Fk&e=x", "u=s3%3A%2F%2Fb%2Fk&e=x&n=1&e=x&u=y&n=1", "u=&e=x&n=1"):
+        assert Service._parse(f"{PATH}?{bad}") == []
+    long = (a[0], "x" * MAX_TARGET, a[2])  # one object whose fields overflow the target
+    target = _target(*long)
+    assert MAX_TARGET < len(target) < 16 * 1024 - 1024
+    assert _ask(served.port, target, _signed(target)[0]).status == 400
+    served.service.per_peer = 2  # objects in flight per asking node: a batch of 3 is too many
+    target = _batch(*served.objects[:3])
+    assert _ask(served.port, target, _signed(target)[0]).status == 503
+    target = _batch(*served.objects[:2])
+    assert _ask(served.port, target, _signed(target)[0]).status == 200
+    assert _gets(served.proxy) == 2
+
+
+def _asking(served: Served, per_peer: int) -> Any:
+    from blobdata._peers import PeerClient, PeerTable
+
+    return PeerClient(PeerTable(SECRET, NAMES, (f"127.0.0.1:{served.port}", "127.0.0.1:9"), 1, per_peer))
+
+
+def test_reads_started_together_go_to_their_peer_as_few_requests_never_more_in_flight_than_allowed(
+    served: Served,
+) -> None:
+    import asyncio
+
+    from blobdata._metrics import stats as _stats
+
+    objects = served.objects[:10]
+    client = _asking(served, per_peer=4)
+    served.service.per_peer = 4  # were 5 objects of node-b in flight at once, one would be told busy
+
+    async def bucket() -> tuple[bytes, str]:
+        raise AssertionError("no read may go to the bucket")
+
+    async def reads() -> list[tuple[bytes, bool]]:
+        try:
+            return await asyncio.gather(*(client.read(0, u, n, e, bucket) for u, e, n in objects))
+        finally:
+            await client.aclose()
+
+    fallbacks = _stats.rec()[_stats.PEER_FALLBACK]
+    got = run(reads(), 60)
+    assert got == [(payload(_number(u)), True) for u, _, _ in objects]
+    assert client._signer._seq == 3  # 4 + 4 + 2 objects: three requests, each signed once
+    assert _stats.rec()[_stats.PEER_FALLBACK] == fallbacks and served.service.refused["busy"] == 0
+    assert _gets(served.proxy) == len(objects)
+
+
+def test_an_object_its_home_cannot_read_goes_to_the_bucket_the_others_come_from_the_peer(
+    served: Served,
+) -> None:
+    import asyncio
+
+    a, b, c = served.objects[:3]
+    client = _asking(served, per_peer=16)
+    asked: list[str] = []
+
+    def bucket(url: str) -> Any:
+        async def read() -> tuple[bytes, str]:
+            asked.append(url)
+            return payload(_number(url)), "etag"
+
+        return read
+
+    async def reads() -> list[tuple[bytes, bool]]:
+        try:
+            wanted = ((a[0], a[1]), (b[0], '"not-its-etag"'), (c[0], c[1]))
+            return await asyncio.gather(*(client.read(0, u, a[2], e, bucket(u)) for u, e in wanted))
+        finally:
+            await client.aclose()
+
+    got = run(reads(), 60)
+    assert got == [
+        (payload(_number(a[0])), True),
+        (payload(_number(b[0])), False),
+        (payload(_number(c[0])), True),
+    ]
+    assert asked == [b[0]] and client._signer._seq == 1
+    assert client._peers[0].down_until == 0.0  # the peer answered right: it stays in use
