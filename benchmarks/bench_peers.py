@@ -29,6 +29,7 @@ A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -58,9 +59,15 @@ def _raw(fh: Any) -> bytes:
 
 
 def _cpu_s() -> float:
-    """CPU seconds of this process and its reaped children (the DataLoader's workers of past epochs)."""
+    """CPU seconds of this process, its reaped children (the DataLoader's workers of past epochs) and
+    its live ones (persistent workers)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    live = 0
+    for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+        with contextlib.suppress(OSError, IndexError, ValueError):  # it may have just exited
+            fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            live += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live / os.sysconf("SC_CLK_TCK")
 
 
 def _wait(store: Any, key: str, timeout: float = 600.0) -> None:
@@ -97,18 +104,24 @@ def node_main(spec_path: str) -> int:
     else:
         sampler = ElasticDistributedSampler(ds, num_replicas=n, rank=rank, seed=1)
     loader = ds.dataloader(
-        batch_size=spec["batch_size"], sampler=sampler, num_workers=spec["workers"], collate_fn=_as_list
+        batch_size=spec["batch_size"], sampler=sampler, num_workers=spec["workers"], collate_fn=_as_list,
+        persistent_workers=spec["persistent"],
     )
     out = []
+    step_s = spec["step_ms"] / 1000.0
     before = loader.stats()
     for epoch in range(spec["epochs"]):
         store.add(f"{spec['run']}/arrive/{epoch}", 1)
         _wait(store, f"{spec['run']}/go/{epoch}")
         sampler.set_epoch(epoch)
         t0, cpu0 = time.perf_counter(), _cpu_s()
-        samples = sum(len(b) for b in loader)
+        samples = 0
+        for batch in loader:
+            samples += len(batch)
+            if step_s:
+                time.sleep(step_s)  # the training step (a GPU's): the CPU is free meanwhile
         seconds = time.perf_counter() - t0
-        cpu = _cpu_s() - cpu0  # the workers (not persistent) are reaped at the epoch's end
+        cpu = _cpu_s() - cpu0
         now = loader.stats()
         out.append({
             "seconds": seconds, "samples": samples, "cpu_s": cpu,
@@ -153,7 +166,8 @@ def _run_job(
             "host": host, "port": port, "advertise": advertise, "url": url,
             "cache": str(work / run / f"cache{rank}"), "cache_bytes": int(share * (1 + args.slack)) + 2**22,
             "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
-            "decode": not args.no_decode, "per_peer": args.per_peer,
+            "decode": not args.no_decode, "per_peer": args.per_peer, "step_ms": args.step_ms,
+            "persistent": args.persistent_workers,
             "out": str(work / run / f"node{rank}.json"),
         }  # fmt: skip
         (work / run).mkdir(parents=True, exist_ok=True)
@@ -257,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--peer-rtt-ms", type=float, default=1.0, help="a LatencyProxy before each service; 0: none"
     )
+    p.add_argument(
+        "--step-ms", type=float, default=0.0, help="a training step after each batch (sleeps: a GPU's time)"
+    )
+    p.add_argument("--persistent-workers", action="store_true", help="the DataLoader's workers live on")
     p.add_argument("--per-peer", type=int, default=16, help="objects a process has in flight to one peer")
     p.add_argument("--no-decode", action="store_true", help="read bytes only (no JPEG decode, no transform)")
     p.add_argument("--jobs", default=",".join(JOBS))
@@ -285,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.nodes} nodes x 1 rank x {args.workers} workers, {n} JPEGs ({args.total_bytes / 1e6:.1f} MB), "
         f"batch {args.batch_size}, each cache 1/{args.nodes} of the data + {args.slack:.0%}, bucket RTT "
         f"{args.bucket_rtt_ms:g} ms, peers RTT {args.peer_rtt_ms:g} ms, "
-        f"{'bytes only' if args.no_decode else 'decode + resize'}; {time.monotonic() - t0:.0f} s; "
+        f"{'bytes only' if args.no_decode else 'decode + resize'}"
+        f"{f', a {args.step_ms:g} ms training step per batch' if args.step_ms else ''}; "
+        f"{time.monotonic() - t0:.0f} s; "
         f"load average {load0[0]:.1f} before, {load1[0]:.1f} after"
     )
     head = ["job", "epoch", "bucket GETs", "GETs / samples", "epoch s", "nodes' CPU s", "from peers",
