@@ -19,9 +19,14 @@ script reads the proxy's count of GETs between epochs); an epoch's time is its s
 the nodes' processes' (their workers' included; not this script's proxies and S3 server). Each
 sample is decoded and cropped (the default loader, ``blobdata.testing.TrainTransform(64)``) unless
 ``--no-decode``.
+``--step-ms`` adds a training step after each batch (a sleep: the CPU is free meanwhile, as while a
+GPU computes), ``--persistent-workers`` keeps the workers across epochs (their CPU read from
+``/proc``). Flat out on a machine of few cores the jobs are CPU-bound, and the epoch times say whose
+data path costs more CPU; with a step they say whether the training loop waits for data.
 Prints a table per job, then the ratios (from epoch 2 on) and the machine's load average.
 
-    python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--json out.json]
+    python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--step-ms 0]
+        [--persistent-workers] [--per-peer 16] [--json out.json]
 
 A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it small and checks it).
 """
