@@ -35,7 +35,10 @@ class Peers:
     serves:         whether this process runs the node's service (default: the node's local rank 0).
     job:            what tells this job's meeting from another's in the store (default: torchrun's run
                     id and restart count).
-    per_peer:       requests a process has in flight to one peer at most (default 16).
+    per_peer:       objects a process has in flight to one peer at most (default 16); the reads it
+                    starts together go to a peer as one request, of up to this many objects. A node's
+                    service takes 256 objects in flight from each asking node: keep ``per_peer`` times
+                    the processes of a node within that, or the rest are told busy and read the bucket.
     timeout:        how long the nodes wait for each other at the rendezvous (default 600 s).
     """
 
