@@ -141,6 +141,30 @@ def test_a_slow_peer_is_hedged_and_a_stalled_one_given_up(impostor: tuple[type[_
     assert _read(client, bucket) == (REAL, False) and handler.asked == asked  # given up: not asked
 
 
+def test_reads_of_one_slow_request_spend_the_hedge_budget_one_each_the_rest_wait_to_the_deadline(
+    impostor: tuple[type[_Impostor], int],
+) -> None:
+    import asyncio
+
+    handler, port = impostor
+    handler.delay_s = 20.0  # far beyond the first hedge's wait (1 s) and the deadline (5 s)
+    client, bucket = _client(port), _Bucket()
+    client._tokens = 2.0  # two hedges to spend, three reads in the one request
+    hedged0, fallback0 = _slots("PEER_HEDGED", "PEER_FALLBACK")
+
+    async def three() -> list[tuple[bytes, bool]]:
+        return await asyncio.gather(*(client.read(1, URL, len(REAL), IDENT, bucket) for _ in range(3)))
+
+    t = time.monotonic()
+    assert run(three(), 30) == [(REAL, False)] * 3
+    took = time.monotonic() - t
+    assert handler.asked == 1  # one request for the three
+    assert _slots("PEER_HEDGED")[0] - hedged0 == 2 and bucket.reads == 3
+    assert _slots("PEER_FALLBACK")[0] - fallback0 == 3
+    assert 4.0 < took < handler.delay_s  # the third read waited to the deadline, not to the answer
+    assert client._peers[1].down_until > time.monotonic()  # the peer is given up for a while
+
+
 def test_an_answer_whose_table_does_not_match_its_bytes_or_the_request_is_refused() -> None:
     """What a signed answer's table says is checked against the bytes and what was asked: a peer with
     the secret but a bug (or bytes changed on the way) gives no wrong byte either."""
