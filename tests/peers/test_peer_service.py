@@ -50,12 +50,21 @@ async def _fetch(engine: FetchEngine, url: str, size: int | None, identity: str)
 
 @pytest.fixture
 def served(tmp_path: Path, s3_bucket: Any, s3_proxy: Any) -> Iterator[Served]:
-    s3_bucket.put_many({f"train/c{i % 2}/{i:04d}.bin": payload(i) for i in range(24)})
+    # At least 12 objects homed on each node, whatever the bucket's (random) name makes the homes.
+    homes, keys, count = Homes(NAMES), [], [0, 0]
+    for i in range(1000):
+        key = f"train/c{i % 2}/{i:04d}.bin"
+        home = homes.home_of(s3_bucket.url(key))
+        if count[home] < 12:
+            keys.append((i, key))
+            count[home] += 1
+        if min(count) == 12:
+            break
+    s3_bucket.put_many({key: payload(i) for i, key in keys})
     s3_bucket.put("secret/key.bin", b"not for peers")
     options = {**s3_bucket.storage_options, "endpoint_url": s3_proxy.endpoint_url}
     ds = FolderDataset(s3_bucket.url("train"), loader=_raw, extensions=(".bin",), storage_options=options)
     m = ds.manifest
-    homes = Homes(NAMES)
     rows = [(m.url(i), m.identity(i), m.size(i)) for i in range(len(ds))]
     cache = BlobCache(tmp_path / "cache")
     service = Service(SECRET)
@@ -66,7 +75,7 @@ def served(tmp_path: Path, s3_bucket: Any, s3_proxy: Any) -> Iterator[Served]:
     s3_proxy.reset_counts()
     mine = [r for r in rows if homes.home_of(r[0]) == 0]
     others = [r for r in rows if homes.home_of(r[0]) == 1]
-    assert mine and others
+    assert len(mine) == len(others) == 12
     try:
         yield Served(service, port, mine, others, s3_proxy, cache)
     finally:
