@@ -19,7 +19,7 @@ from .. import _process
 from .._config import parse_duration
 from .._errors import CacheError, ConfigError
 from .db import Index
-from .index import WAL_SLACK_BYTES, Policy
+from .index import VOLUME_AND_COUNT, WAL_SLACK_BYTES, Policy
 from .packs import aligned, punch_supported
 from .reads import Opened, ReadOps
 from .trim import DEFAULT_LIMIT, TrimOps, parse_limit, recorded_bound
@@ -353,9 +353,9 @@ class BlobCache(ReadOps, TrimOps):
         """(volume_bytes, entries) of the directory; zeros if the index cannot be read."""
         try:
             sql = self._connect().db.sql
-            page_bytes, size_sum = self._volume(sql)
-            ((count,),) = sql("SELECT value FROM meta WHERE key = 'count'").fetchall()
-            return page_bytes + size_sum, int(count)
+            # One statement, one snapshot: the volume and the count of the same commit.
+            ((volume, count),) = sql(VOLUME_AND_COUNT).fetchall()
+            return int(volume), int(count)
         except (CacheError, sqlite3.Error, OSError):
             return 0, 0
 

@@ -20,7 +20,7 @@ from .db import Index
 from .packs import parse_slice
 from .values import NAME_RE, Pending, Staged, Values, url_range
 
-__all__ = ["SLACK_BYTES", "WAL_SLACK_BYTES", "IndexOps", "Policy"]
+__all__ = ["SLACK_BYTES", "VOLUME_AND_COUNT", "WAL_SLACK_BYTES", "IndexOps", "Policy"]
 
 SLACK_BYTES = 64 * 1024
 """How far ``volume_bytes`` may exceed ``size_limit``: index pages added by one insert after its check."""
@@ -31,6 +31,13 @@ Policy = Literal["admit", "lru"]
 Sql = Callable[..., sqlite3.Cursor]
 
 _log = logging.getLogger("blobdata")
+_PAGE_BYTES = "(SELECT page_count FROM pragma_page_count()) * (SELECT page_size FROM pragma_page_size())"
+_VOLUME = f"SELECT {_PAGE_BYTES}, (SELECT value FROM meta WHERE key = 'size')"
+#: The volume (index pages and values) and the entry count, of one snapshot.
+VOLUME_AND_COUNT = (
+    f"SELECT {_PAGE_BYTES} + (SELECT value FROM meta WHERE key = 'size'),"
+    " (SELECT value FROM meta WHERE key = 'count')"
+)
 
 
 class IndexOps:
@@ -169,11 +176,11 @@ class IndexOps:
 
     @staticmethod
     def _volume(sql: Sql) -> tuple[int, int]:
-        """(bytes of index pages, bytes of value files) as the index records them."""
-        ((pages,),) = sql("PRAGMA page_count").fetchall()
-        ((page_size,),) = sql("PRAGMA page_size").fetchall()
-        ((size_sum,),) = sql("SELECT value FROM meta WHERE key = 'size'").fetchall()
-        return int(pages) * int(page_size), int(size_sum)
+        """(bytes of index pages, bytes of value files) as the index records them, read in one statement:
+        one snapshot, even outside a transaction (two statements could straddle another process's
+        commit, and auto_vacuum shrinks the page count at a commit that frees pages)."""
+        ((bytes_of_pages, size_sum),) = sql(_VOLUME).fetchall()
+        return int(bytes_of_pages), int(size_sum)
 
     def _drop(self, db: Index, values: Values, rowid: int, filename: str | None) -> bool:
         """Delete the row if it still points at ``filename``; True if it did."""

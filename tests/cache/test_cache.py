@@ -707,6 +707,47 @@ def _write_random(cache: BlobCache, seed: int, out: Any) -> None:
     out.put(cache.stats())
 
 
+class _Rows:
+    def __init__(self, rows: list[Any]) -> None:
+        self.rows = rows
+
+    def fetchall(self) -> list[Any]:
+        return self.rows
+
+
+def test_the_volume_is_read_from_one_snapshot_whatever_another_writer_commits(tmp_path: Path) -> None:
+    """The volume is index pages plus value bytes. Read as two statements, another process's commit
+    could fall between them: the pages of before (auto_vacuum shrinks them at a commit that frees
+    some) with the values of after, a volume that never was (seen once over the bound, under four
+    writers). Here another process commits right after the first statement the read runs."""
+    cache = BlobCache(tmp_path, size_limit=2_000_000, policy="lru")
+    for n in range(100):  # inline values: index pages
+        assert cache.put(f"s3://b/s{n}", "e", value(n, SMALL))
+    for n in range(5):  # values in packs: value bytes
+        assert cache.put(f"s3://b/b{n}", "e", value(n, BIG))
+    other = BlobCache(tmp_path, size_limit=2_000_000, policy="lru")
+    ctx = multiprocessing.get_context("fork")  # its own connection, its own commits
+    sql = cache._connect().db.sql
+    before = cache._volume(sql)
+    commits = 0
+
+    def interleaved(statement: str, params: Any = ()) -> _Rows:
+        nonlocal commits
+        rows = sql(statement, params).fetchall()
+        if commits == 0:
+            commits += 1
+            p = ctx.Process(target=other.clear)
+            p.start()
+            p.join(timeout=60)
+            assert p.exitcode == 0
+        return _Rows(rows)
+
+    got = cache._volume(interleaved)
+    after = cache._volume(sql)
+    assert after[0] < before[0] and after[1] < before[1]  # the commit freed pages and values
+    assert got in (before, after)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["admit", "lru"])
 def test_size_bound_holds_under_four_concurrent_writers(tmp_path: Path, policy: Policy) -> None:
