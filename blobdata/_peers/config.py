@@ -37,8 +37,8 @@ class Peers:
                     id and restart count).
     per_peer:       objects a process has in flight to one peer at most (default 16); the reads it
                     starts together go to a peer as one request, of up to this many objects. A node's
-                    service takes 256 objects in flight from each asking node: keep ``per_peer`` times
-                    the processes of a node within that, or the rest are told busy and read the bucket.
+                    service takes 1,024 objects in flight from each asking node (64 processes at the
+                    default): beyond that, the rest are told busy and read the bucket.
     timeout:        how long the nodes wait for each other at the rendezvous (default 600 s).
     """
 

@@ -90,7 +90,7 @@ class Service:
         self,
         secret: bytes,
         *,
-        per_peer: int = 256,
+        per_peer: int = 1024,
         max_bytes: int = 512 * 2**20,
         clock: Callable[[], float] = time.time,
     ) -> None:

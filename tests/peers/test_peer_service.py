@@ -432,3 +432,11 @@ def test_an_object_its_home_cannot_read_goes_to_the_bucket_the_others_come_from_
     ]
     assert asked == [b[0]] and client._signer._seq == 1
     assert client._peers[0].down_until == 0.0  # the peer answered right: it stays in use
+
+
+def test_the_service_takes_a_node_of_64_processes_at_the_default_per_peer_without_refusing() -> None:
+    """8 GPUs of 8 workers each, every process with ``per_peer`` objects in flight to this node: none
+    of them is told busy by the per-node bound (the byte bound stays what bounds memory)."""
+    from blobdata._peers import Peers
+
+    assert Service(SECRET).per_peer >= 64 * Peers().per_peer
