@@ -68,7 +68,11 @@ def _cpu_s() -> float:
     its live ones (persistent workers)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     live = 0
-    for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+    try:
+        children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: live workers' CPU is not counted
+        children = []
+    for child in children:
         with contextlib.suppress(OSError, IndexError, ValueError):  # it may have just exited
             fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
             live += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)

@@ -34,7 +34,7 @@ import collections
 import time
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 from urllib.parse import unquote
 
 from .._cache import BlobCache, checksum
@@ -242,7 +242,7 @@ class Service:
                 if isinstance(one, BaseException) and not isinstance(one, BlobdataError):
                     raise one
                 out[k] = one if isinstance(one, BlobdataError) else (one, "bucket")
-        return [one for one in out if one is not None]
+        return cast("list[tuple[bytes, str] | BlobdataError]", out)  # every position is filled above
 
     def _fetch(self, found: tuple[Source, Any], url: str, identity: str, size: int) -> asyncio.Future[bytes]:
         """The read of ``url`` from the bucket: the one in flight, else a new one."""
