@@ -124,8 +124,14 @@ def node_main(spec_path: str) -> int:
         _wait(store, f"{spec['run']}/go/{epoch}")
         sampler.set_epoch(epoch)
         t0, cpu0 = time.perf_counter(), _cpu_s()
-        samples = 0
-        for batch in loader:
+        samples, waits = 0, []
+        it = iter(loader)
+        while True:
+            w0 = time.perf_counter()
+            batch = next(it, None)
+            waits.append(time.perf_counter() - w0)  # the loop waiting for data (its last: the end)
+            if batch is None:
+                break
             samples += len(batch)
             if step_s:
                 time.sleep(step_s)  # the training step (a GPU's): the CPU is free meanwhile
@@ -140,7 +146,7 @@ def node_main(spec_path: str) -> int:
             "bytes_from_peers": now.bytes_from_peers - before.bytes_from_peers,
             "peer_fallbacks": now.peer_fallbacks - before.peer_fallbacks,
             "peer_hedged": now.peer_hedged - before.peer_hedged,
-            "peer_p50_s": now.peer_p50_s, "peer_p99_s": now.peer_p99_s,
+            "peer_p50_s": now.peer_p50_s, "peer_p99_s": now.peer_p99_s, "waits_s": waits,
         })  # fmt: skip
         before = now
     Path(spec["out"]).write_text(json.dumps({"epochs": out, "summary": loader.stats().summary()}))
@@ -230,6 +236,7 @@ def _run_job(
             "samples": sum(r["samples"] for r in rows), **{k: sum(r[k] for r in rows) for k in summed},
             "peer_p99_s": max(r["peer_p99_s"] for r in rows),
             "peer_p50_s": max(r["peer_p50_s"] for r in rows),
+            "waits_s": [r["waits_s"] for r in rows],
         })  # fmt: skip
     return {"job": job, "epochs": epochs, "summary": nodes[0]["summary"]}
 
@@ -263,6 +270,21 @@ def _run_jobs(args: Any, work: Path, bodies: list[bytes]) -> list[dict[str, Any]
             for job in args.jobs.split(","):
                 results.append(_run_job(job, args, work, "s3://bench/train", env, store, proxy))
     return results
+
+
+def _waits_line(results: list[dict[str, Any]]) -> str:
+    """Where the training loop waited for data, from epoch 2 on: per node and epoch, on average, the
+    first batch, the next five, and the rest (the end of the epoch included)."""
+    parts = []
+    for r in results:
+        per = [w for ep in r["epochs"][1:] for w in ep["waits_s"]]  # one list of waits per node and epoch
+        if not per:
+            continue
+        first, five, rest = (sum(f(w) for w in per) / len(per) * 1e3 for f in (
+            lambda w: sum(w[:1]), lambda w: sum(w[1:6]), lambda w: sum(w[6:])))  # fmt: skip
+        parts.append(f"{r['job']} {first:.0f} + {five:.0f} + {rest:.0f} = {first + five + rest:.0f}")
+    return "from epoch 2 on, the loop's wait per node and epoch (ms), first batch + next 5 + rest: " + (
+        ", ".join(parts))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -346,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = later("peers", "seconds") / later(other, "seconds")
                 cpu = later("peers", "cpu_s") / later(other, "cpu_s")
                 print(f"from epoch 2 on, peers / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f}")
+    if args.epochs > 1:
+        print(_waits_line(results))
     for r in results:
         print(f"{r['job']} (node 0): {r['summary']}")
     if args.json is not None:

@@ -294,9 +294,10 @@ def _present(batches: Iterator[Any]) -> Iterator[Any]:
 class _FirstBatches:
     """Workers that do not outlive the epoch: near its end, the training process fetches the next
     epoch's first two batches of each worker, which the workers it forks then find in their copy of
-    the dataset; see ``docs/resume.md``. Not with a cache: the epoch's fetches are offered to it,
-    and the next epoch's workers read them there (fetching them again here, before this epoch's own
-    fetch of the same objects had reached the cache, would double their requests)."""
+    the dataset; see ``docs/resume.md``. Not what a node cache keeps: the epoch's fetches are offered
+    to it, and the next epoch's workers read them there (fetching them again here, before this epoch's
+    own fetch of the same objects had reached the cache, would double their requests). With peers, the
+    objects homed on other nodes are not kept here: those samples are handed over."""
 
     def __init__(self, dataset: Any, workers: int, context: Any) -> None:
         self.dataset = dataset
@@ -307,9 +308,11 @@ class _FirstBatches:
         self.dataset._drop_handoff()
 
     def end(self, batches: Sequence[Sequence[int]]) -> None:
-        if self.dataset._any_cache() or _start_method(self.context) != "fork":
+        if _start_method(self.context) != "fork":
             return  # a spawned worker gets a pickled dataset: nothing handed over reaches it
-        self.dataset._hand_over([i for batch in batches[: 2 * self.workers] for i in batch])
+        first = self.dataset._not_kept([i for batch in batches[: 2 * self.workers] for i in batch])
+        if first:
+            self.dataset._hand_over(first)
 
 
 def _start_method(context: Any) -> str:

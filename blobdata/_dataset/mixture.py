@@ -303,8 +303,11 @@ class Mixture(BlobDatasetBase, torch.utils.data.Dataset[Any]):
                 out[p] = f
         return out
 
-    def _any_cache(self) -> bool:
-        return any(s.cache is not None for s in self._sources)
+    def _not_kept(self, indices: list[int]) -> list[int]:
+        out: set[int] = set()
+        for k, _pos, local in self._split(indices):
+            out.update(self._offsets[k] + j for j in self._sources[k]._not_kept(local))
+        return [i for i in indices if i in out]
 
     def _marks_present(self) -> bool:
         return any(s.cache is not None or s.lookahead <= 0 for s in self._sources)

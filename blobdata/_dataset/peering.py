@@ -14,9 +14,9 @@ from .._errors import ConfigError
 from .._metrics import stats as _stats
 from .._peers import PeerClient, Peers, PeerTable, join, peers_setting, serve
 from .._url import printable
-from .reads import ProcessState
+from .reads import Objects, ProcessState
 
-__all__ = ["join_peers", "read_from_home", "serve_peer"]
+__all__ = ["away", "join_peers", "read_from_home", "serve_peer"]
 
 _log = logging.getLogger("blobdata")
 
@@ -54,6 +54,18 @@ async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: 
     else:
         v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
     return data
+
+
+def away(peers: PeerClient, indices: list[int], objects: Objects) -> list[int]:
+    """Of the samples ``indices`` (reading ``objects``), those with an object read from another node
+    (its home is elsewhere, and its identity and size are known: else it is read from the bucket and
+    kept here). Their bytes are not kept in this node's cache, so the next epoch's workers would wait
+    for a peer at their first batches: the training process fetches them for them."""
+    homes = peers.homes.homes_of(objects.urls).tolist()
+    known = zip(homes, objects.ids, objects.sizes, strict=True)
+    far = [h != peers.me and bool(e) and n >= 0 for h, e, n in known]
+    bounds = objects.offsets if objects.offsets is not None else range(len(indices) + 1)
+    return [i for k, i in enumerate(indices) if any(far[bounds[k] : bounds[k + 1]])]
 
 
 async def serve_peer(ds: Any, url: str, size: int | None, identity: str) -> bytes:

@@ -112,6 +112,9 @@ def main(argv: list[str]) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             if spec.get("stop_after") and epoch == epochs[-1] and k + 1 == spec["stop_after"]:
                 break
+        # Near an epoch's end the training process reads the next epoch's first batches for the workers
+        # it starts then (what this node's cache does not keep): counted in this epoch once done.
+        ds._settle_hand_over(wait_s=60.0)
         now = loader.stats().as_dict()
         out["epochs"].append(
             {"epoch": epoch, "samples": samples, "stats": {k: now[k] - before[k] for k in now}}
