@@ -38,11 +38,12 @@ class Request(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """One answer: status, headers (Content-Length is added), body."""
+    """One answer: status, headers (Content-Length is added), and its body's parts, one after the other
+    (an answer of many objects is joined once, with its head, when it is sent)."""
 
     status: int
     headers: dict[str, str]
-    body: bytes
+    body: tuple[bytes, ...]
 
 
 Handler = Callable[[Request], Awaitable[Reply]]
@@ -83,14 +84,14 @@ def render(reply: Reply, *, close: bool) -> bytes:
     """The head of ``reply`` (its body goes after it)."""
     lines = [f"HTTP/1.1 {reply.status} {_REASONS.get(reply.status, 'Unknown')}"]
     lines += [f"{k}: {v}" for k, v in reply.headers.items()]
-    lines.append(f"Content-Length: {len(reply.body)}")
+    lines.append(f"Content-Length: {sum(len(part) for part in reply.body)}")
     if close:
         lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
 def _plain(status: int, reason: str) -> Reply:
-    return Reply(status, {"Content-Type": "text/plain; charset=utf-8"}, reason.encode("utf-8", "replace"))
+    return Reply(status, {"Content-Type": "text/plain; charset=utf-8"}, (reason.encode("utf-8", "replace"),))
 
 
 class _Conn(asyncio.Protocol):
@@ -148,8 +149,9 @@ class _Conn(asyncio.Protocol):
         t = self.transport
         if t is None or t.is_closing():
             return
-        # Head and body in one write: one send for an answer, not a head a reader may see alone.
-        t.writelines((render(reply, close=close), reply.body))
+        # Head and body in one write: one send for an answer, not a head a reader may see alone (and
+        # one copy of the objects: asyncio's writelines joins what it is given before it sends).
+        t.write(b"".join((render(reply, close=close), *reply.body)))
         if close:
             self._close()
         elif self.buf and not self.paused:

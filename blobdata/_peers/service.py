@@ -80,7 +80,7 @@ def _retrieve(fut: asyncio.Future[bytes]) -> None:
 
 
 def _plain(status: int, reason: str) -> Reply:
-    return Reply(status, {"Content-Type": "text/plain; charset=utf-8"}, reason.encode("utf-8", "replace"))
+    return Reply(status, {"Content-Type": "text/plain; charset=utf-8"}, (reason.encode("utf-8", "replace"),))
 
 
 class Service:
@@ -184,7 +184,7 @@ class Service:
         table = " ".join(entries)
         signature = self.verifier.answer_signature(sig, 200, table)
         headers = {"X-Blobdata-Table": table, "X-Blobdata-Signature": signature}
-        return Reply(200, headers, datas[0] if len(datas) == 1 else b"".join(datas))
+        return Reply(200, headers, tuple(datas))
 
     def _refuse(self, reason: str) -> None:
         self.refused[reason] += 1

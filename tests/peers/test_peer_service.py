@@ -440,3 +440,45 @@ def test_the_service_takes_a_node_of_64_processes_at_the_default_per_peer_withou
     from blobdata._peers import Peers
 
     assert Service(SECRET).per_peer >= 64 * Peers().per_peer
+
+
+def test_keys_with_a_querys_own_characters_are_asked_and_answered_whole(served: Served) -> None:
+    """Keys holding what separates a request's fields (``& = ?``), escapes (``% +``), a fragment
+    (``#``), spaces and letters beyond ASCII go whole to their home and back, in one request; a plain
+    URL travels as it is (``/`` and ``:`` need no escape in a query: quoting it costs a scan)."""
+    import asyncio
+
+    root = served.objects[0][0].rsplit("/", 2)[0]  # the dataset's root: s3://BUCKET/train
+    homes = Homes(NAMES)
+    names = ["a&b=c?.bin", "100% real+fake.bin", "#tag.bin", "été/日本.bin", "%2F.bin", "u=x&e=y&n=1"]
+    objects = []
+    for k, name in enumerate(names):
+        url = next(u for j in range(200) if homes.home_of(u := f"{root}/odd{j}/{name}") == 0)
+        data = f"object {k} ".encode() * 40
+        assert served.cache.put(url, f'"e{k}"', data)
+        objects.append((url, f'"e{k}"', data))
+    plain = served.objects[0]
+    targets: list[str] = []
+    handler = served.service.server.handler
+
+    async def recording(req: Any) -> Any:
+        targets.append(req.target)
+        return await handler(req)
+
+    served.service.server.handler = recording
+    client = _asking(served, per_peer=16)
+
+    async def bucket() -> tuple[bytes, str]:
+        raise AssertionError("no read may go to the bucket")
+
+    async def reads() -> list[tuple[bytes, bool]]:
+        try:
+            wanted = [*((u, e, len(d)) for u, e, d in objects), plain]
+            return await asyncio.gather(*(client.read(0, u, n, e, bucket) for u, e, n in wanted))
+        finally:
+            await client.aclose()
+
+    got = run(reads(), 60)
+    assert got == [*((d, True) for _, _, d in objects), (payload(_number(plain[0])), True)]
+    assert len(targets) == 1 and f"u={plain[0]}&" in targets[0]
+    assert _gets(served.proxy) == 1  # the plain object, not in the cache yet: read by its home
