@@ -58,6 +58,9 @@ _DEADLINE_S, _DEADLINE_TIMES = 5.0, 4.0
 #: The most bytes of answer one request asks for (a single larger object goes alone).
 _BATCH_BYTES = 64 * 2**20
 _TIMEOUT_S = 30.0  # a peer's answer, connect to last byte, at most
+#: Left as they are in a request's fields (allowed in a query, and no field separator): a URL is then
+#: usually sent as it is, and quoting and unquoting it cost a scan, not a rewrite.
+_SAFE = "/:"
 
 
 class _Latency:
@@ -181,7 +184,7 @@ class PeerClient:
         when a read is slow (:meth:`_batch`), and a slow read races the bucket here."""
         loop = asyncio.get_running_loop()
         want = _Want(
-            f"u={quote(url, safe='')}&e={quote(identity, safe='')}&n={size}", size, loop.create_future()
+            f"u={quote(url, safe=_SAFE)}&e={quote(identity, safe=_SAFE)}&n={size}", size, loop.create_future()
         )
         peer.pending.append(want)
         if not peer.queued:  # every read the loop starts in this turn joins the same request
