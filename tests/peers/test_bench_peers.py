@@ -36,3 +36,24 @@ def test_bench_peers_small(tmp_path: Path) -> None:
     assert second["from_peers"] > 0
     assert second["from_peers"] + second["from_cache"] + second["from_bucket"] == OBJECTS
     assert second["gets"] <= second["peer_hedged"] + second["peer_fallbacks"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_peer_read_small(tmp_path: Path) -> None:
+    """benchmarks/bench_peer_read.py: every object read from the service's cache through a PeerClient
+    (a read that went to the bucket fails the run), then from a cache of its own; the CPU per object
+    of each side and of a hit is reported, round by round and as medians."""
+    out = tmp_path / "out.json"
+    cmd = [
+        sys.executable, "benchmarks/bench_peer_read.py", "--objects", "200", "--size", "3000",
+        "--rounds", "2", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "median: a peer read" in done.stdout
+    doc = json.loads(out.read_text())
+    assert len(doc["rounds"]) == 2
+    for r in doc["rounds"]:
+        assert r["service_us"] > 0 and r["asker_us"] > 0 and r["hit_us"] > 0
+        assert r["peer_us"] == pytest.approx(r["service_us"] + r["asker_us"])
