@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,20 +17,25 @@ ROOT = Path(__file__).resolve().parents[2]
 OBJECTS = 64
 
 
+def _bench(script: str, args: list[str], out: Path, timeout: float) -> tuple[str, Any]:
+    """Run ``benchmarks/<script> ARGS --json OUT``: what it printed and the figures it wrote."""
+    cmd = [sys.executable, f"benchmarks/{script}", *args, "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, json.loads(out.read_text())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_peers_small(tmp_path: Path) -> None:
-    out = tmp_path / "out.json"
-    cmd = [
-        sys.executable, "benchmarks/bench_peers.py", "--nodes", "2", "--objects", str(OBJECTS),
-        "--epochs", "2", "--batch-size", "8", "--workers", "0", "--no-decode", "--jobs", "peers",
-        "--timeout", "200", "--json", str(out),
+    args = [
+        "--nodes", "2", "--objects", str(OBJECTS), "--epochs", "2", "--batch-size", "8", "--workers", "0",
+        "--no-decode", "--jobs", "peers", "--timeout", "200",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "from epoch 2 on: bucket GETs / samples: peers" in done.stdout
-    first, second = json.loads(out.read_text())["results"][0]["epochs"]
+    printed, doc = _bench("bench_peers.py", args, tmp_path / "out.json", 280)
+    assert "from epoch 2 on: bucket GETs / samples: peers" in printed
+    first, second = doc["results"][0]["epochs"]
     assert first["samples"] == second["samples"] == OBJECTS
     # Each object read from the bucket once, by its home (and again only where a read was hedged).
     assert OBJECTS <= first["gets"] <= OBJECTS + first["peer_hedged"] + first["peer_fallbacks"]
@@ -43,16 +49,9 @@ def test_bench_peer_read_small(tmp_path: Path) -> None:
     """benchmarks/bench_peer_read.py: every object read from the service's cache through a PeerClient
     (a read that went to the bucket fails the run), then from a cache of its own; the CPU per object
     of each side and of a hit is reported, round by round and as medians."""
-    out = tmp_path / "out.json"
-    cmd = [
-        sys.executable, "benchmarks/bench_peer_read.py", "--objects", "200", "--size", "3000",
-        "--rounds", "2", "--json", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "median: a peer read" in done.stdout
-    doc = json.loads(out.read_text())
+    args = ["--objects", "200", "--size", "3000", "--rounds", "2"]
+    printed, doc = _bench("bench_peer_read.py", args, tmp_path / "out.json", 100)
+    assert "median: a peer read" in printed
     assert len(doc["rounds"]) == 2
     for r in doc["rounds"]:
         assert r["service_us"] > 0 and r["asker_us"] > 0 and r["hit_us"] > 0
