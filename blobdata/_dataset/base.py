@@ -37,7 +37,7 @@ from .._stores import network_mount, redact
 from .._url import parse_url, printable
 from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
-from .peering import away, join_peers, read_from_home
+from .peering import join_peers, not_kept, read_from_home
 from .reads import PENDING, Objects, ProcessState, read_batch
 from .settings import LEGACY_KEYWORDS, legacy_keywords, named_sampler, resolve_cache
 
@@ -359,13 +359,8 @@ class BlobDatasetBase:
     async def _await_all(self, indices: list[int], tasks: list[asyncio.Future[Any]]) -> list[Any]:
         return list(await asyncio.gather(*tasks, return_exceptions=True))  # each result, or its exception
 
-    def _not_kept(self, indices: list[int]) -> list[int]:
-        """Of ``indices``, those whose bytes the node cache does not keep once fetched (all without one;
-        with peers, those read from other nodes): handed over to the next epoch's workers."""
-        if self.cache is None:
-            return indices
-        peers = self._process().peers
-        return away(peers, indices, self._objects(indices)) if peers is not None else []
+    def _not_kept(self, indices: list[int]) -> list[int]:  # what is handed over to new workers
+        return not_kept(self, indices)
 
     def _marks_present(self) -> bool:  # whether the look-ahead asks _cached what the batch reads itself
         return self.cache is not None

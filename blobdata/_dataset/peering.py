@@ -16,7 +16,7 @@ from .._peers import PeerClient, Peers, PeerTable, join, peers_setting, serve
 from .._url import printable
 from .reads import Objects, ProcessState
 
-__all__ = ["away", "join_peers", "read_from_home", "serve_peer"]
+__all__ = ["away", "join_peers", "not_kept", "read_from_home", "serve_peer"]
 
 _log = logging.getLogger("blobdata")
 
@@ -54,6 +54,15 @@ async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: 
     else:
         v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
     return data
+
+
+def not_kept(ds: Any, indices: list[int]) -> list[int]:
+    """Of ``indices``, those whose bytes ``ds``'s node cache does not keep once fetched (all without one;
+    with peers, those read from other nodes): what is handed over to the next epoch's new workers."""
+    if ds.cache is None:
+        return indices
+    peers = ds._process().peers
+    return away(peers, indices, ds._objects(indices)) if peers is not None else []
 
 
 def away(peers: PeerClient, indices: list[int], objects: Objects) -> list[int]:
