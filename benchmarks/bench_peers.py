@@ -26,7 +26,7 @@ data path costs more CPU; with a step they say whether the training loop waits f
 Prints a table per job, then the ratios (from epoch 2 on) and the machine's load average.
 
     python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--step-ms 0]
-        [--persistent-workers] [--per-peer 16] [--json out.json]
+        [--persistent-workers] [--per-peer 16] [--lookahead 0] [--json out.json]
 
 A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it small and checks it).
 """
@@ -106,7 +106,7 @@ def node_main(spec_path: str) -> int:
     transform = TrainTransform(64) if decode else None
     ds = FolderDataset(
         spec["url"], transform=transform, loader=None if decode else _raw, cache=cache, peers=peers,
-        share_listing=False,
+        share_listing=False, **({"lookahead": spec["lookahead"]} if spec["lookahead"] else {}),
     )  # fmt: skip
     if job == "partitioned":
         sampler: Any = PartitionedSampler(ds, num_replicas=n, rank=rank, nproc_per_node=1, seed=1)
@@ -182,7 +182,7 @@ def _run_job(
             "cache": str(work / run / f"cache{rank}"), "cache_bytes": int(share * (1 + args.slack)) + 2**22,
             "epochs": args.epochs, "batch_size": args.batch_size, "workers": args.workers,
             "decode": not args.no_decode, "per_peer": args.per_peer, "step_ms": args.step_ms,
-            "persistent": args.persistent_workers,
+            "persistent": args.persistent_workers, "lookahead": args.lookahead,
             "out": str(work / run / f"node{rank}.json"),
         }  # fmt: skip
         (work / run).mkdir(parents=True, exist_ok=True)
@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--persistent-workers", action="store_true", help="the DataLoader's workers live on")
     p.add_argument("--per-peer", type=int, default=16, help="objects a process has in flight to one peer")
+    p.add_argument("--lookahead", type=int, default=0, help="samples a process reads ahead (0: the default)")
     p.add_argument("--no-decode", action="store_true", help="read bytes only (no JPEG decode, no transform)")
     p.add_argument("--jobs", default=",".join(JOBS))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a job's epoch may take")
