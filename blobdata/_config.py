@@ -160,7 +160,9 @@ class FetchOptions:
                      ahead and doubles per batch up to this depth, so the first batch does not wait
                      behind a burst of requests. A local folder on a local disk has none unless this
                      is given: each batch reads its files directly, which costs less than fetching
-                     ahead saves there (a network or FUSE mount keeps the default).
+                     ahead saves there (a network or FUSE mount keeps the default). A dataset
+                     with peers has 256 unless this is given: a peer answers in a millisecond or
+                     a few, not the bucket's tens (``docs/peers.md``).
     lookahead_bytes: bytes each process may hold staged ahead (default 256MiB).
     adaptive:        share the node's throttle controller (default True). False: requests go at the
                      fixed ``concurrency`` whatever the store answers, and throttled answers spend

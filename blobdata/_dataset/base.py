@@ -32,7 +32,7 @@ from .._fetch import LookAhead, PlanChannel
 from .._loop import get_loop, run, submit
 from .._metrics import SkipLog
 from .._metrics import stats as _stats
-from .._peers import Peers, PeerTable
+from .._peers import PEERS_LOOKAHEAD, Peers, PeerTable
 from .._stores import network_mount, redact
 from .._url import parse_url, printable
 from .ahead import BuiltAhead, Stopped
@@ -101,6 +101,8 @@ class BlobDatasetBase:
         self._handoff: dict[int, Any] = {}
         self._proc: ProcessState | None = None
         self._peers: PeerTable | None = join_peers(self, peers, cache)
+        if self._peers is not None and not options.lookahead_given:  # see _peers.PEERS_LOOKAHEAD
+            self.lookahead = min(self.lookahead, PEERS_LOOKAHEAD)
         return given
 
     # -- what a dataset says -----------------------------------------------------------------------

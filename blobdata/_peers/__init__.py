@@ -21,13 +21,14 @@ from __future__ import annotations
 
 from .auth import Refused, Signer, Verifier, job_id
 from .client import PeerClient
-from .config import Peers, PeerTable, peers_setting
+from .config import PEERS_LOOKAHEAD, Peers, PeerTable, peers_setting
 from .homes import Homes
 from .rendezvous import join, serve, service_of
 from .service import PATH, Service
 
 __all__ = [
     "PATH",
+    "PEERS_LOOKAHEAD",
     "Homes",
     "PeerClient",
     "PeerTable",

@@ -10,7 +10,13 @@ from typing import Any
 from .._config import env, parse_duration
 from .._errors import ConfigError
 
-__all__ = ["PeerTable", "Peers", "peers_setting"]
+__all__ = ["PEERS_LOOKAHEAD", "PeerTable", "Peers", "peers_setting"]
+
+#: The look-ahead of a dataset with peers, unless one is given (``FetchOptions(lookahead=...)``): the
+#: default 1,024 samples cover the bucket's tens of milliseconds, and a peer answers in one or a few.
+#: With 1,024, each process asked for most of its epoch at the epoch's first batch, and that burst of
+#: reads (the CPU of every node at once) was what the first batches waited for.
+PEERS_LOOKAHEAD = 256
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

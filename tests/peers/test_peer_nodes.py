@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from blobdata._peers import Homes
+from blobdata._peers import PEERS_LOOKAHEAD, Homes
 from blobdata.testing import LatencyProxy, find_free_port
 from tests.support.peer_nodes import Store, log_of, node_spec, run_nodes, upload
 
@@ -87,10 +87,15 @@ def test_a_global_shuffle_reads_each_object_from_the_bucket_once_then_from_the_n
     tmp_path: Path, s3_bucket: Any, s3_proxy: Any, kind: str
 ) -> None:
     digests, options, store = _setup(s3_bucket, s3_proxy)
-    specs = _specs(tmp_path, "job", store, 3, s3_bucket.url("train"), options, epochs=[0, 1, 2], kind=kind)
+    specs = _specs(
+        tmp_path, "job", store, 3, s3_bucket.url("train"), options, epochs=[0, 1, 2], kind=kind,
+        rank_2={"lookahead": 64},
+    )  # fmt: skip
     results, gets = run_nodes(tmp_path, store, specs, s3_proxy)
     assert all(r is not None for r in results), [log_of(s) for s in specs]
     _check_bytes(results, digests)
+    # Peers answer in milliseconds: a shorter look-ahead than the bucket's by default, a given one kept.
+    assert [r["lookahead"] for r in results] == [PEERS_LOOKAHEAD, PEERS_LOOKAHEAD, 64]
     for k in range(3):
         assert _epoch(results, k) == list(range(N))  # a global shuffle: every epoch, all of it, once
     hedged = [sum(r["epochs"][k]["stats"]["peer_hedged"] for r in results) for k in range(3)]

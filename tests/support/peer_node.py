@@ -6,14 +6,14 @@
      "port", "advertise" (optional), "cache", "cache_size", "kind": "folder" | "blob" | "mixture",
      "sampler": "elastic" | "distributed", "world", "epochs": [0, 1], "batch_size", "workers",
      "stop_after" (batches of the last epoch, optional), "state_in", "state_out" (paths, optional),
-     "die_after" ([epoch, batches]: SIGKILL itself there, optional), "out"}
+     "die_after" ([epoch, batches]: SIGKILL itself there, optional), "lookahead" (optional), "out"}
 
 Each object's bytes begin with its sample number (8 digits), so what the node read is checked by the
 test against what it uploaded: ``out`` gets ``{"epochs": [{"epoch", "samples": [[number, sha256], ...],
-"stats": {...}}], "state": ...}`` (stats: the loader's, counted over that epoch). Before each epoch and
-at the end the node arrives at a meeting point in the store and waits for the test to let it go on
-(:func:`tests.support.peer_nodes.run_nodes`), so that each node's service serves the others until all
-are done.
+"stats": {...}}], "state": ..., "lookahead": ...}`` (stats: the loader's, counted over that epoch; the
+dataset's look-ahead). Before each epoch and at the end the node arrives at a meeting point in the
+store and waits for the test to let it go on (:func:`tests.support.peer_nodes.run_nodes`), so that each
+node's service serves the others until all are done.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _payload(sample: Any) -> bytes:
 def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
-    from blobdata import BlobCache, BlobDataset, ElasticDistributedSampler, FolderDataset, Peers
+    from blobdata import BlobCache, BlobDataset, ElasticDistributedSampler, FetchOptions, FolderDataset, Peers
 
     with open(argv[0]) as fh:
         spec = json.load(fh)
@@ -64,20 +64,25 @@ def main(argv: list[str]) -> int:
     cache = BlobCache(spec["cache"], size_limit=spec.get("cache_size", "1GB"))
     options = spec["storage_options"]
     kind = spec.get("kind", "folder")
+    # The look-ahead given, else the default (with peers: blobdata._peers.PEERS_LOOKAHEAD).
+    ahead = {"fetch_options": FetchOptions(lookahead=spec["lookahead"])} if "lookahead" in spec else {}
     if kind == "blob":
-        ds: Any = BlobDataset(spec["url"], decoders=False, storage_options=options, cache=cache, peers=peers)
+        ds: Any = BlobDataset(
+            spec["url"], decoders=False, storage_options=options, cache=cache, peers=peers, **ahead
+        )
     elif kind == "mixture":  # two sources (two class folders), each read once an epoch, one meeting
         from blobdata import Mixture
 
         a, b = (
             BlobDataset(f"{spec['url']}/{c}", decoders=False, storage_options=options, cache=cache,
-                        peers=peers)
+                        peers=peers, **ahead)
             for c in ("c0", "c1")
         )  # fmt: skip
         ds = Mixture({"a": a, "b": b}, {"a": len(a), "b": len(b)})
     else:
         ds = FolderDataset(
-            spec["url"], loader=raw, extensions=(".bin",), storage_options=options, cache=cache, peers=peers
+            spec["url"], loader=raw, extensions=(".bin",), storage_options=options, cache=cache, peers=peers,
+            **ahead,
         )
     world, rank = spec.get("world", spec["nnodes"]), spec["node_rank"]
     if kind == "mixture":
@@ -96,7 +101,7 @@ def main(argv: list[str]) -> int:
     if spec.get("state_in"):
         with open(spec["state_in"]) as fh:
             loader.load_state_dict(json.load(fh))
-    out: dict[str, Any] = {"epochs": [], "state": None}
+    out: dict[str, Any] = {"epochs": [], "state": None, "lookahead": ds.lookahead}
     epochs = spec["epochs"]
     die = spec.get("die_after")
     before = loader.stats().as_dict()
