@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -29,18 +28,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import REPO, add_repo_to_path, table
+from common import REPO, add_repo_to_path, cpu_seconds, table
 
 add_repo_to_path()
 
 SECRET = bytes(range(32))
 NAMES = ("127.0.0.2", "127.0.0.3")  # the service's node is the first
 ROOT = "s3://bench/train"
-
-
-def _cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def _objects(n: int, size: int) -> list[tuple[str, str, int]]:
@@ -57,14 +51,15 @@ def _objects(n: int, size: int) -> list[tuple[str, str, int]]:
 
 
 def _fill(cache: Any, objects: list[tuple[str, str, int]]) -> None:
-    rng = os.urandom
     for k in range(0, len(objects), 256):
-        assert all(cache.put_many([(u, e, rng(n)) for u, e, n in objects[k : k + 256]]))
+        if not all(cache.put_many([(u, e, os.urandom(n)) for u, e, n in objects[k : k + 256]])):
+            raise RuntimeError(f"the cache at {cache.directory} did not take every object")
 
 
 def serve(directory: str, n: int, size: int) -> int:
     """The service's side (``--serve``): a warm cache, the service on a free port of 127.0.0.1 (printed),
-    then ``mark`` (CPU from now) and ``cpu`` (seconds since the mark) on stdin, until it closes."""
+    then ``mark`` (CPU from now) and ``cpu`` (seconds since the mark) on stdin, until it closes: read
+    here, to the microsecond (another process's CPU time is counted in clock ticks, 10 ms)."""
     from blobdata import BlobCache
     from blobdata._loop import run
     from blobdata._peers import Homes, Service
@@ -84,13 +79,13 @@ def serve(directory: str, n: int, size: int) -> int:
     service.add_source(ROOT, cache, owner, unread)
     port = run(service.server.start("127.0.0.1", 0))
     print(f"port {port}", flush=True)
-    mark = _cpu()
+    mark = cpu_seconds()
     for line in sys.stdin:
         if line.strip() == "mark":
-            mark = _cpu()
+            mark = cpu_seconds()
             print("ok", flush=True)
         elif line.strip() == "cpu":
-            print(f"{_cpu() - mark:.6f}", flush=True)
+            print(f"{cpu_seconds() - mark:.6f}", flush=True)
     run(service.server.aclose())
     return 0
 
@@ -113,20 +108,20 @@ def _peer_round(client: Any, objects: list[tuple[str, str, int]], inflight: int)
 
         await asyncio.gather(*(one(*o) for o in objects))
 
-    c0 = _cpu()
+    c0 = cpu_seconds()
     run(reads(), 600)
-    return _cpu() - c0
+    return cpu_seconds() - c0
 
 
 def _hit_round(cache: Any, objects: list[tuple[str, str, int]], batch: int) -> float:
     """This process's CPU seconds to read ``objects`` from its own cache, ``batch`` per lookup."""
-    c0 = _cpu()
+    c0 = cpu_seconds()
     for k in range(0, len(objects), batch):
         part = objects[k : k + batch]
         got = cache.get_many([(u, e) for u, e, _ in part])
         if any(g is None or len(g) != n for g, (_, _, n) in zip(got, part, strict=True)):
             raise RuntimeError("a cache hit missed")
-    return _cpu() - c0
+    return cpu_seconds() - c0
 
 
 def main(argv: list[str] | None = None) -> int:
