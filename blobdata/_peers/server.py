@@ -17,7 +17,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-__all__ = ["MAX_HEAD", "Reply", "Request", "Server"]
+__all__ = ["MAX_HEAD", "Reply", "Request", "Server", "plain"]
 
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -90,7 +90,8 @@ def render(reply: Reply, *, close: bool) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def _plain(status: int, reason: str) -> Reply:
+def plain(status: int, reason: str) -> Reply:
+    """A short text answer (a refusal, an error)."""
     return Reply(status, {"Content-Type": "text/plain; charset=utf-8"}, (reason.encode("utf-8", "replace"),))
 
 
@@ -121,17 +122,17 @@ class _Conn(asyncio.Protocol):
         end = self.buf.find(b"\r\n\r\n")
         if end < 0:
             if len(self.buf) > MAX_HEAD:
-                self._answer(_plain(431, "request head too large"), close=True)
+                self._answer(plain(431, "request head too large"), close=True)
             return
         if end > MAX_HEAD:
-            self._answer(_plain(431, "request head too large"), close=True)
+            self._answer(plain(431, "request head too large"), close=True)
             return
         head = bytes(self.buf[:end])
         del self.buf[: end + 4]
         try:
             req = parse_head(head)
         except _BadRequest as exc:
-            self._answer(_plain(exc.status, str(exc)), close=True)
+            self._answer(plain(exc.status, str(exc)), close=True)
             return
         close = req.headers.get("connection", "").lower() == "close"
         self.task = asyncio.get_running_loop().create_task(self._handle(req, close))
@@ -140,7 +141,7 @@ class _Conn(asyncio.Protocol):
         try:
             reply = await self.server.handler(req)
         except Exception as exc:  # the handler's own failure: an answer all the same
-            reply = _plain(500, f"{type(exc).__name__}")
+            reply = plain(500, f"{type(exc).__name__}")
         self.task = None
         # A refusal ends the connection (a stranger keeps none open); busy (503) is a moment's.
         self._answer(reply, close=close or reply.status not in (200, 503))

@@ -43,7 +43,7 @@ from .._metrics import stats as _stats
 from .._url import safe_relpath
 from .auth import Refused, Verifier
 from .homes import Homes
-from .server import Reply, Request, Server
+from .server import Reply, Request, Server, plain
 
 __all__ = ["MAX_OBJECTS", "MAX_TARGET", "PATH", "RECENT_BYTES", "Service", "Source", "crc_text"]
 
@@ -77,10 +77,6 @@ def crc_text(data: bytes) -> str:
 def _retrieve(fut: asyncio.Future[bytes]) -> None:
     if not fut.cancelled():
         fut.exception()
-
-
-def _plain(status: int, reason: str) -> Reply:
-    return Reply(status, {"Content-Type": "text/plain; charset=utf-8"}, (reason.encode("utf-8", "replace"),))
 
 
 class Service:
@@ -139,26 +135,26 @@ class Service:
             node, sig = self.verifier.check(req.method, req.target, req.headers)
         except Refused as exc:
             self._refuse(exc.reason)
-            return _plain(exc.status, exc.reason)
+            return plain(exc.status, exc.reason)
         asked = self._parse(req.target)
         if not asked:
             self._refuse("malformed")
-            return _plain(400, "expected " + PATH + "?u=URL&e=IDENTITY&n=SIZE, repeated for each object")
+            return plain(400, "expected " + PATH + "?u=URL&e=IDENTITY&n=SIZE, repeated for each object")
         found: list[tuple[Source, Any]] = []
         for url, _, _ in asked:
             one = self._source_of(url)
             if one is None:
                 self._refuse("outside")
-                return _plain(404, "not an object of this job's datasets")
+                return plain(404, "not an object of this job's datasets")
             found.append(one)
         homes = self.homes
         if homes is None or any(homes.home_of(url) != self.me for url, _, _ in asked):
             self._refuse("not home")
-            return _plain(421, "this node is not the object's home")
+            return plain(421, "this node is not the object's home")
         need = sum(max(size, 0) for _, _, size in asked)
         if self._inflight[node] + len(asked) > self.per_peer or self._bytes + need > self.max_bytes:
             self._refuse("busy")
-            return _plain(503, "busy")
+            return plain(503, "busy")
         self._inflight[node] += len(asked)
         self._bytes += need
         try:
