@@ -17,6 +17,8 @@ from tests.support.peer_nodes import Store, log_of, node_spec, run_nodes, upload
 pytestmark = pytest.mark.timeout(420)
 
 N = 96
+#: A node's one worker's first two batches (node_spec's batches of 8): what is handed over to it.
+FIRST_BATCHES = 2 * 8
 
 
 def _setup(s3_bucket: Any, s3_proxy: Any) -> tuple[dict[int, str], dict[str, Any], Store]:
@@ -79,7 +81,8 @@ def _handed(e: dict[str, Any], before: dict[str, Any], home: dict[int, int], ran
     """The samples of epoch ``e`` that node ``rank``'s training process read for its worker during
     the epoch ``before`` (from the loader's second epoch on, what the node's cache does not keep of
     the worker's first two batches)."""
-    return [i for i, _ in e["samples"][:16] if home[i] != rank] if before["epoch"] > 0 else []
+    first = e["samples"][:FIRST_BATCHES]
+    return [i for i, _ in first if home[i] != rank] if before["epoch"] > 0 else []
 
 
 @pytest.mark.parametrize("kind", ["folder", "blob"])
