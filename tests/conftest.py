@@ -11,6 +11,12 @@ Fixtures: ``s3_server`` (session), ``s3_bucket``, ``s3_proxy``, ``azurite`` and 
 the GCS emulator) and the autouse ``isolated_cache_home``; the whole run has its own node state
 (``BLOBDATA_NODE_DIR``, see :func:`pytest_configure`).
 
+Property tests (Hypothesis) draw the same examples on every run (the ``ci`` profile: derandomized,
+seeded from each test), so a run's result depends on the code, not on a draw: a discrepancy found by a
+random draw would otherwise fail one CI run in many. ``BLOBDATA_HYPOTHESIS=explore`` draws new
+examples on each run (pass ``--hypothesis-seed=N`` to repeat one); a failure found that way becomes an
+``@example`` on its test.
+
 Markers: a test that uses a server fixture, directly or through another fixture, is marked
 ``network`` here, so ``-m "not network"`` starts no server (``tests/test_markers.py`` checks it). A
 fixture asked for at run time (``request.getfixturevalue``) is invisible to that: a parametrised
@@ -27,10 +33,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from blobdata.testing import LatencyProxy, LocalAzurite, LocalGCSEmulator, LocalS3Server, S3Endpoint
 from blobdata.testing.servers import find_executable
 from tests.support import buckets
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+_PROFILE = os.environ.get("BLOBDATA_HYPOTHESIS", "ci")
+if _PROFILE not in ("ci", "explore"):
+    raise pytest.UsageError(f"BLOBDATA_HYPOTHESIS must be ci or explore, got {_PROFILE!r}")
+settings.load_profile(_PROFILE)
 
 #: Every fixture that starts a server or needs one. ``item.fixturenames`` is a test's whole fixture
 #: closure, so the four session servers would do; the others are listed for the reader.

@@ -174,7 +174,8 @@ _DECL = re.compile(
     rb"""(?:\s+encoding\s*=\s*(?:"[Uu][Tt][Ff]-8"|'[Uu][Tt][Ff]-8'))?"""
     rb"""(?:\s+standalone\s*=\s*(?:"(?:yes|no)"|'(?:yes|no)'))?\s*\?>"""
 )
-_ROOT = re.compile(rb"""<ListBucketResult(?:\s+xmlns\s*=\s*(?:"[^"<&]*"|'[^'<&]*'))?\s*>""")
+# A namespace holding "}" is left to ElementTree, which refuses it ("{uri}name" could not be split).
+_ROOT = re.compile(rb"""<ListBucketResult(?:\s+xmlns\s*=\s*(?:"[^"<&}]*"|'[^'<&}]*'))?\s*>""")
 _CLOSE_ROOT = b"</ListBucketResult>"
 _NAME = re.compile(rb"[A-Za-z_][A-Za-z0-9_.-]*")
 _ENTITY = re.compile(rb"&(?:amp|lt|gt|quot|apos);")
