@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import itertools
 import logging
@@ -35,6 +34,7 @@ from .._metrics import stats as _stats
 from .._peers import PEERS_LOOKAHEAD, Peers, PeerTable
 from .._stores import network_mount, redact
 from .._url import parse_url, printable
+from . import handover
 from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
 from .peering import join_peers, not_kept, read_from_home
@@ -270,17 +270,16 @@ class BlobDatasetBase:
         all at once on the loop; the time is counted as fetch wait."""
         t = time.perf_counter()
         proc = self._process()
-        if self._handoff and torch.utils.data.get_worker_info() is not None:
-            datas = run(self._gather(indices, seed))  # the hand-over is adopted on the loop first
-        else:
-            datas = read_batch(self, proc, indices)
-            rest = [k for k, d in enumerate(datas) if d is PENDING]
-            if rest:
-                got = run(self._gather([indices[k] for k in rest], seed, batch=indices))
-                for k, data in zip(rest, got, strict=True):
-                    datas[k] = data
-            elif self._channel is not None and self.lookahead > 0:
-                self._advance(proc, indices, seed)
+        if self._handoff:  # a new worker's first batch: what was fetched for it is staged first
+            self._adopt_handoff(proc)
+        datas = read_batch(self, proc, indices)
+        rest = [k for k, d in enumerate(datas) if d is PENDING]
+        if rest:
+            got = run(self._gather([indices[k] for k in rest], seed, batch=indices))
+            for k, data in zip(rest, got, strict=True):
+                datas[k] = data
+        elif self._channel is not None and self.lookahead > 0:
+            self._advance(proc, indices, seed)
         _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t
         return datas
 
@@ -339,13 +338,6 @@ class BlobDatasetBase:
         past the batch they belong to (``batch``, by default ``indices``; not for a batch built ahead:
         it is not this epoch's)."""
         proc = self._process()
-        if self._handoff and torch.utils.data.get_worker_info() is not None:
-            # Fetched for this worker before it started: staged as if by its own look-ahead.
-            handoff, self._handoff = self._handoff, {}
-            adopting = self._lookahead(proc)  # there is a hand-over only with a look-ahead
-            if adopting is not None:
-                for i, data in handoff.items():
-                    adopting.stager.put(i, data)
         staging = proc.lookahead
         tasks: list[asyncio.Future[Any]] = []
         staged_n = 0
@@ -374,52 +366,18 @@ class BlobDatasetBase:
             info = torch.utils.data.get_worker_info()
             staging.advance(channel, indices, info.num_workers if info is not None else 1, seed)
 
+    # The next epoch's first batches, for workers forked at its start: see .handover.
     def _hand_over(self, indices: Sequence[int]) -> None:
-        """Start fetching ``indices`` in this process (within the look-ahead's bounds) for the workers
-        it forks next, which find them in their copy of the dataset. What fails is left to the worker
-        given it (which reports it)."""
-        chosen: list[int] = []
-        total = 0
-        for i in indices:
-            size = self._size_of(int(i))
-            if len(chosen) >= self.lookahead or (chosen and total + size > self.lookahead_bytes):
-                break
-            chosen.append(int(i))
-            total += size
-        self._drop_handoff()
-        if chosen:
-            with _stats.for_next_epoch():  # the next epoch's first batches
-                self._process().handing = submit(self._fetch_handoff(chosen, self._handoff))
-
-    async def _fetch_handoff(self, chosen: list[int], into: dict[int, Any]) -> None:
-        async def one(i: int) -> None:
-            with contextlib.suppress(Exception):
-                into[i] = await self._load(i)
-
-        await asyncio.gather(*(one(i) for i in chosen))
+        handover.start(self, indices)
 
     def _settle_hand_over(self, wait_s: float = 2.0) -> None:
-        """Before workers are forked: the hand-over's fetches done (they are those workers' first
-        batches), or, past ``wait_s``, cancelled, and this process's loop back to waiting."""
-        proc = self._proc
-        handing = proc.handing if proc is not None and proc.pid == _process.pid() else None
-        if handing is None:
-            return
-        try:
-            handing.result(timeout=wait_s)
-        except concurrent.futures.TimeoutError:
-            handing.cancel()
-            run(asyncio.sleep(0))  # the loop has run the cancellation
-        except Exception:  # cancelled (a new epoch began): nothing to hand over, nothing to wait for
-            return
+        handover.settle(self, wait_s)
+
+    def _adopt_handoff(self, proc: ProcessState) -> None:
+        handover.adopt(self, proc)
 
     def _drop_handoff(self) -> None:
-        """The workers that were to find the hand-over have started (or will not): drop this copy."""
-        self._handoff = {}
-        proc = self._proc
-        if proc is not None and proc.pid == _process.pid() and proc.handing is not None:
-            proc.handing.cancel()
-            proc.handing = None
+        handover.drop(self)
 
     def _advance(self, proc: ProcessState, indices: list[int], seed: int | None) -> None:
         """Move the look-ahead past ``indices`` (from outside the loop; it runs there, in order). The
@@ -497,3 +455,4 @@ class BlobDatasetBase:
             if proc.cache is not None:
                 proc.cache.close()
             proc.close_engine()
+

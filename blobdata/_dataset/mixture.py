@@ -197,30 +197,29 @@ class Mixture(BlobDatasetBase, torch.utils.data.Dataset[Any]):
         t = time.perf_counter()
         proc = self._process()
         self._waits = {}
-        if self._handoff and torch.utils.data.get_worker_info() is not None:
-            datas = run(self._gather(indices, seed))  # the hand-over is adopted on the loop first
-        else:
-            datas = take_staged(proc, indices)
-            split = self._split(indices)
-            self._last = (indices, split)
-            for k, pos, local in split:
-                sub = [datas[p] for p in pos]
-                if not any(d is PENDING for d in sub):
-                    continue
-                src = self._sources[k]
-                t1 = time.perf_counter()
-                with _stats.counting_for(k):
-                    read_direct(src, src._process(), local, sub)
-                    _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t1
-                for p, d in zip(pos, sub, strict=True):
-                    datas[p] = d
-            rest = [j for j, d in enumerate(datas) if d is PENDING or d is IN_FLIGHT]
-            if rest:
-                got = run(self._gather([indices[j] for j in rest], seed, batch=indices))
-                for j, data in zip(rest, got, strict=True):
-                    datas[j] = data
-            elif self._channel is not None and self.lookahead > 0:
-                self._advance(proc, indices, seed)
+        if self._handoff:  # a new worker's first batch: what was fetched for it is staged first
+            self._adopt_handoff(proc)
+        datas = take_staged(proc, indices)
+        split = self._split(indices)
+        self._last = (indices, split)
+        for k, pos, local in split:
+            sub = [datas[p] for p in pos]
+            if not any(d is PENDING for d in sub):
+                continue
+            src = self._sources[k]
+            t1 = time.perf_counter()
+            with _stats.counting_for(k):
+                read_direct(src, src._process(), local, sub)
+                _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t1
+            for p, d in zip(pos, sub, strict=True):
+                datas[p] = d
+        rest = [j for j, d in enumerate(datas) if d is PENDING or d is IN_FLIGHT]
+        if rest:
+            got = run(self._gather([indices[j] for j in rest], seed, batch=indices))
+            for j, data in zip(rest, got, strict=True):
+                datas[j] = data
+        elif self._channel is not None and self.lookahead > 0:
+            self._advance(proc, indices, seed)
         for k, waited in self._waits.items():
             with _stats.counting_for(k):
                 _stats.rec()[_stats.FETCH_WAIT_S] += waited

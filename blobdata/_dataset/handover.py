@@ -1,0 +1,94 @@
+"""The next epoch's first batches, fetched in the training process for workers that do not outlive the
+epoch (``persistent_workers=False``), and found by those workers in their forked copy of the dataset.
+
+:class:`~blobdata._dataset.loader.BlobLoader` calls :func:`start` near an epoch's end with what the new
+workers will not find in the node's cache (:func:`~blobdata._dataset.peering.not_kept`),
+:func:`settle` before it forks them and :func:`drop` once they exist; a worker given a hand-over
+stages it (:func:`adopt`) as if its own look-ahead had fetched it. See ``docs/resume.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch.utils.data
+
+from .. import _process
+from .._loop import run, submit
+from .._metrics import stats as _stats
+
+if TYPE_CHECKING:
+    from .._fetch import LookAhead
+    from .base import BlobDatasetBase
+    from .reads import ProcessState
+
+__all__ = ["adopt", "drop", "settle", "start"]
+
+
+def start(ds: BlobDatasetBase, indices: Sequence[int]) -> None:
+    """Start fetching ``indices`` in this process (within the look-ahead's bounds) for the workers it
+    forks next. What fails is left to the worker given it (which reports it)."""
+    chosen: list[int] = []
+    total = 0
+    for i in indices:
+        size = ds._size_of(int(i))
+        if len(chosen) >= ds.lookahead or (chosen and total + size > ds.lookahead_bytes):
+            break
+        chosen.append(int(i))
+        total += size
+    drop(ds)
+    if chosen:
+        with _stats.for_next_epoch():  # the next epoch's first batches
+            ds._process().handing = submit(_fetch(ds, chosen, ds._handoff))
+
+
+async def _fetch(ds: BlobDatasetBase, chosen: list[int], into: dict[int, Any]) -> None:
+    async def one(i: int) -> None:
+        with contextlib.suppress(Exception):
+            into[i] = await ds._load(i)
+
+    await asyncio.gather(*(one(i) for i in chosen))
+
+
+def settle(ds: BlobDatasetBase, wait_s: float = 2.0) -> None:
+    """Before workers are forked: the hand-over's fetches done (they are those workers' first batches),
+    or, past ``wait_s``, cancelled, and this process's loop back to waiting."""
+    proc = ds._proc
+    handing = proc.handing if proc is not None and proc.pid == _process.pid() else None
+    if handing is None:
+        return
+    try:
+        handing.result(timeout=wait_s)
+    except concurrent.futures.TimeoutError:
+        handing.cancel()
+        run(asyncio.sleep(0))  # the loop has run the cancellation
+    except Exception:  # cancelled (a new epoch began): nothing to hand over, nothing to wait for
+        return
+
+
+def adopt(ds: BlobDatasetBase, proc: ProcessState) -> None:
+    """In a worker forked with a hand-over: stage it, on the loop, as if its own look-ahead had fetched
+    it (its first batches then take it from there, in the read path of any other batch)."""
+    if ds._handoff and torch.utils.data.get_worker_info() is not None:
+        handoff, ds._handoff = ds._handoff, {}
+        staging = ds._lookahead(proc)  # there is a hand-over only with a look-ahead
+        if staging is not None:
+            run(_put_all(staging, handoff))
+
+
+async def _put_all(staging: LookAhead, fetched: dict[int, Any]) -> None:
+    for i, data in fetched.items():
+        staging.stager.put(i, data)
+
+
+def drop(ds: BlobDatasetBase) -> None:
+    """The workers that were to find the hand-over have started (or will not): drop this copy."""
+    ds._handoff = {}
+    proc = ds._proc
+    if proc is not None and proc.pid == _process.pid() and proc.handing is not None:
+        proc.handing.cancel()
+        proc.handing = None
