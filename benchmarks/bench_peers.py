@@ -16,7 +16,10 @@ that counts its GETs. Three jobs, each with fresh caches:
 
 Every node waits for the others at the start of each epoch (a barrier in the store, through which this
 script reads the proxy's count of GETs between epochs); an epoch's time is its slowest node's, its CPU
-the nodes' processes' (their workers' included; not this script's proxies and S3 server). Each
+the nodes' processes' (their workers' included; not this script's proxies and S3 server). The
+proxies' CPU is this script's own over the epoch (its latency proxies' threads, the store's polling):
+on a machine of few cores, a cost the peers' 1 ms proxies put on the nodes' cores that a network
+would not. Each
 sample is decoded and cropped (the default loader, ``blobdata.testing.TrainTransform(64)``) unless
 ``--no-decode``.
 ``--step-ms`` adds a training step after each batch (a sleep: the CPU is free meanwhile, as while a
@@ -192,7 +195,8 @@ def _run_job(
         procs.append((subprocess.Popen([sys.executable, __file__, "--node", str(path)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT), log))  # fmt: skip
         specs.append(spec)
-    gets = []
+    gets, driver_cpu = [], []
+    cpu0 = 0.0
     try:
         for epoch in [*range(args.epochs), "end"]:
             key = f"{run}/arrive/{epoch}"
@@ -207,7 +211,9 @@ def _run_job(
                 time.sleep(0.01)
             if epoch != 0:
                 gets.append(_gets(proxy))
+                driver_cpu.append(time.process_time() - cpu0)
             proxy.reset_counts()
+            cpu0 = time.process_time()
             store.set(f"{run}/go/{epoch}", "1")
         for p, _ in procs:
             p.wait(timeout=120)
@@ -232,7 +238,7 @@ def _run_job(
             "peer_hedged",
         )
         epochs.append({
-            "gets": gets[e], "seconds": max(r["seconds"] for r in rows),
+            "gets": gets[e], "driver_cpu_s": driver_cpu[e], "seconds": max(r["seconds"] for r in rows),
             "samples": sum(r["samples"] for r in rows), **{k: sum(r[k] for r in rows) for k in summed},
             "peer_p99_s": max(r["peer_p99_s"] for r in rows),
             "peer_p50_s": max(r["peer_p50_s"] for r in rows),
@@ -340,14 +346,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{time.monotonic() - t0:.0f} s; "
         f"load average {load0[0]:.1f} before, {load1[0]:.1f} after"
     )
-    head = ["job", "epoch", "bucket GETs", "GETs / samples", "epoch s", "nodes' CPU s", "from peers",
-            "from cache", "peer MB", "peer p50 ms", "peer p99 ms", "fell back", "hedged"]  # fmt: skip
+    head = ["job", "epoch", "bucket GETs", "GETs / samples", "epoch s", "nodes' CPU s", "proxies' CPU s",
+            "from peers", "from cache", "peer MB", "peer p50 ms", "peer p99 ms", "fell back",
+            "hedged"]  # fmt: skip
     rows = []
     for r in results:
         for e, ep in enumerate(r["epochs"], 1):
             rows.append([
                 r["job"], str(e), str(ep["gets"]), f"{ep['gets'] / n:.1%}", f"{ep['seconds']:.2f}",
-                f"{ep['cpu_s']:.1f}", str(ep["from_peers"]), str(ep["from_cache"]),
+                f"{ep['cpu_s']:.1f}", f"{ep['driver_cpu_s']:.2f}", str(ep["from_peers"]),
+                str(ep["from_cache"]),
                 f"{ep['bytes_from_peers'] / 1e6:.1f}", f"{ep['peer_p50_s'] * 1e3:.1f}",
                 f"{ep['peer_p99_s'] * 1e3:.1f}", str(ep["peer_fallbacks"]), str(ep["peer_hedged"]),
             ])  # fmt: skip
@@ -368,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             if other in by:
                 ratio = later("peers", "seconds") / later(other, "seconds")
                 cpu = later("peers", "cpu_s") / later(other, "cpu_s")
-                print(f"from epoch 2 on, peers / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f}")
+                both = (later("peers", "cpu_s") + later("peers", "driver_cpu_s")) / (
+                    later(other, "cpu_s") + later(other, "driver_cpu_s"))  # fmt: skip
+                print(f"from epoch 2 on, peers / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f} "
+                      f"(with the proxies' {both:.2f})")  # fmt: skip
     if args.epochs > 1:
         print(_waits_line(results))
     for r in results:
