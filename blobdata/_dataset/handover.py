@@ -23,13 +23,14 @@ from .._metrics import stats as _stats
 
 if TYPE_CHECKING:
     from .._fetch import LookAhead
-    from .base import BlobDatasetBase
     from .reads import ProcessState
 
 __all__ = ["adopt", "drop", "settle", "start"]
 
+# ``ds`` is a BlobDatasetBase (typed Any, as in .peering: base imports this module).
 
-def start(ds: BlobDatasetBase, indices: Sequence[int]) -> None:
+
+def start(ds: Any, indices: Sequence[int]) -> None:
     """Start fetching ``indices`` in this process (within the look-ahead's bounds) for the workers it
     forks next. What fails is left to the worker given it (which reports it)."""
     chosen: list[int] = []
@@ -46,7 +47,7 @@ def start(ds: BlobDatasetBase, indices: Sequence[int]) -> None:
             ds._process().handing = submit(_fetch(ds, chosen, ds._handoff))
 
 
-async def _fetch(ds: BlobDatasetBase, chosen: list[int], into: dict[int, Any]) -> None:
+async def _fetch(ds: Any, chosen: list[int], into: dict[int, Any]) -> None:
     async def one(i: int) -> None:
         with contextlib.suppress(Exception):
             into[i] = await ds._load(i)
@@ -54,7 +55,7 @@ async def _fetch(ds: BlobDatasetBase, chosen: list[int], into: dict[int, Any]) -
     await asyncio.gather(*(one(i) for i in chosen))
 
 
-def settle(ds: BlobDatasetBase, wait_s: float = 2.0) -> None:
+def settle(ds: Any, wait_s: float = 2.0) -> None:
     """Before workers are forked: the hand-over's fetches done (they are those workers' first batches),
     or, past ``wait_s``, cancelled, and this process's loop back to waiting."""
     proc = ds._proc
@@ -70,7 +71,7 @@ def settle(ds: BlobDatasetBase, wait_s: float = 2.0) -> None:
         return
 
 
-def adopt(ds: BlobDatasetBase, proc: ProcessState) -> None:
+def adopt(ds: Any, proc: ProcessState) -> None:
     """In a worker forked with a hand-over: stage it, on the loop, as if its own look-ahead had fetched
     it (its first batches then take it from there, in the read path of any other batch)."""
     if ds._handoff and torch.utils.data.get_worker_info() is not None:
@@ -85,7 +86,7 @@ async def _put_all(staging: LookAhead, fetched: dict[int, Any]) -> None:
         staging.stager.put(i, data)
 
 
-def drop(ds: BlobDatasetBase) -> None:
+def drop(ds: Any) -> None:
     """The workers that were to find the hand-over have started (or will not): drop this copy."""
     ds._handoff = {}
     proc = ds._proc
