@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -70,6 +71,11 @@ def pytest_configure(config: pytest.Config) -> None:
     path = tempfile.mkdtemp(prefix="blobdata-tests-", dir=where)
     config.stash[_NODE_DIR] = (path, os.environ.get("BLOBDATA_NODE_DIR"))
     os.environ["BLOBDATA_NODE_DIR"] = path
+    # A run started in the background by a shell without job control (`cmd &`, nohup) ignores SIGINT,
+    # and so would every process it starts: the tests that stop a child with Ctrl-C (blobdata serve)
+    # would wait for it in vain. Ctrl-C is Python's KeyboardInterrupt again, here and in the children.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
