@@ -8,8 +8,11 @@ batch's cache hits, as ``PartitionedSampler``'s epochs read them). Each round pr
 the service's process, of this process for the peer reads, and of this process for the cache hits:
 what a peer read costs a job beyond a hit (``bench_peers.py`` says what that does to an epoch).
 
+``--job-nodes`` makes the job that many nodes (the others never asked): each read finds its object's
+home as a dataset's read does, and the service checks that it is home for every object asked.
+
     python benchmarks/bench_peer_read.py [--objects 4000] [--size 27000] [--inflight 48] [--rounds 5]
-        [--json out.json]
+        [--job-nodes 2] [--json out.json]
 
 A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it small and checks it).
 """
@@ -33,15 +36,20 @@ from common import REPO, add_repo_to_path, cpu_seconds, table
 add_repo_to_path()
 
 SECRET = bytes(range(32))
-NAMES = ("127.0.0.2", "127.0.0.3")  # the service's node is the first
+NAMES = ("127.0.0.2", "127.0.0.3")  # the service's node is the first, this process's the second
+
+
+def _names(nodes: int) -> tuple[str, ...]:
+    """A job of ``nodes`` nodes: the service's, this process's, and others that are never asked."""
+    return NAMES + tuple(f"10.0.{k // 250}.{k % 250 + 1}" for k in range(nodes - len(NAMES)))
 ROOT = "s3://bench/train"
 
 
-def _objects(n: int, size: int) -> list[tuple[str, str, int]]:
-    """``n`` objects homed on the service's node: (URL, identity, size)."""
+def _objects(n: int, size: int, nodes: int) -> list[tuple[str, str, int]]:
+    """``n`` objects homed on the service's node in a job of ``nodes``: (URL, identity, size)."""
     from blobdata._peers import Homes
 
-    homes, out, i = Homes(NAMES), [], 0
+    homes, out, i = Homes(_names(nodes)), [], 0
     while len(out) < n:
         url = f"{ROOT}/c{i % 10:02d}/{i:06d}.jpg"
         if homes.home_of(url) == 0:
@@ -56,7 +64,7 @@ def _fill(cache: Any, objects: list[tuple[str, str, int]]) -> None:
             raise RuntimeError(f"the cache at {cache.directory} did not take every object")
 
 
-def serve(directory: str, n: int, size: int) -> int:
+def serve(directory: str, n: int, size: int, nodes: int) -> int:
     """The service's side (``--serve``): a warm cache, the service on a free port of 127.0.0.1 (printed),
     then ``mark`` (CPU from now) and ``cpu`` (seconds since the mark) on stdin, until it closes: read
     here, to the microsecond (another process's CPU time is counted in clock ticks, 10 ms)."""
@@ -65,7 +73,7 @@ def serve(directory: str, n: int, size: int) -> int:
     from blobdata._peers import Homes, Service
 
     cache = BlobCache(directory, size_limit=2 * n * size + 2**26, policy="admit")
-    _fill(cache, _objects(n, size))
+    _fill(cache, _objects(n, size, nodes))
 
     async def unread(*_: Any) -> bytes:
         raise RuntimeError("every object is in the cache")
@@ -75,7 +83,7 @@ def serve(directory: str, n: int, size: int) -> int:
 
     owner = Owner()
     service = Service(SECRET)
-    service.homes, service.me = Homes(NAMES), 0
+    service.homes, service.me = Homes(_names(nodes)), 0
     service.add_source(ROOT, cache, owner, unread)
     port = run(service.server.start("127.0.0.1", 0))
     print(f"port {port}", flush=True)
@@ -102,7 +110,8 @@ def _peer_round(client: Any, objects: list[tuple[str, str, int]], inflight: int)
 
         async def one(url: str, identity: str, size: int) -> None:
             async with gate:
-                data, from_peer = await client.read(0, url, size, identity, bucket)
+                # Its home found as a dataset's read finds it (blobdata._dataset.peering.read_from_home).
+                data, from_peer = await client.read(client.home_of(url), url, size, identity, bucket)
                 if not from_peer or len(data) != size:
                     raise RuntimeError(f"{url}: not read from the peer")
 
@@ -127,15 +136,18 @@ def _hit_round(cache: Any, objects: list[tuple[str, str, int]], batch: int) -> f
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--serve"]:
-        return serve(argv[1], int(argv[2]), int(argv[3]))
+        return serve(argv[1], int(argv[2]), int(argv[3]), int(argv[4]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objects", type=int, default=4000)
     p.add_argument("--size", type=int, default=27000, help="bytes per object (bench_peers' JPEGs: ~27 KB)")
     p.add_argument("--inflight", type=int, default=48, help="peer reads in flight (a look-ahead's)")
     p.add_argument("--batch", type=int, default=32, help="cache hits per lookup (a batch's)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--job-nodes", type=int, default=2, help="nodes in the job (each read finds its home)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.job_nodes < 2:
+        p.error("--job-nodes: a job of peers has 2 nodes or more")
 
     from blobdata import BlobCache
     from blobdata._loop import run
@@ -144,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-peer-read-"))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(work / "home"), str(args.objects), str(args.size)],
+        [sys.executable, __file__, "--serve", str(work / "home"), str(args.objects), str(args.size),
+         str(args.job_nodes)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     assert child.stdin is not None and child.stdout is not None
@@ -161,10 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         head = child.stdout.readline().split()
         if head[:1] != ["port"]:
             raise SystemExit(f"the service did not start: {head!r}")
-        objects = _objects(args.objects, args.size)
+        objects = _objects(args.objects, args.size, args.job_nodes)
         mine = BlobCache(str(work / "own"), size_limit=2 * args.objects * args.size + 2**26, policy="admit")
         _fill(mine, objects)
-        table_ = PeerTable(SECRET, NAMES, (f"127.0.0.1:{head[1]}", "127.0.0.1:9"), 1, 16)
+        names = _names(args.job_nodes)
+        addresses = (f"127.0.0.1:{head[1]}", *["127.0.0.1:9"] * (len(names) - 1))
+        table_ = PeerTable(SECRET, names, addresses, 1, 16)
         client = PeerClient(table_)
         _peer_round(client, objects[:64], args.inflight)  # connections open, code warm
         for r in range(args.rounds):
@@ -186,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     load1 = os.getloadavg()
     print(
-        f"{args.objects} objects of {args.size} bytes, {args.inflight} peer reads in flight, cache hits "
+        f"{args.objects} objects of {args.size} bytes, a job of {args.job_nodes} nodes, "
+        f"{args.inflight} peer reads in flight, cache hits "
         f"{args.batch} per lookup; load average {load0[0]:.1f} before, {load1[0]:.1f} after"
     )
     print(table(["round", "service us/object", "asker us/object", "peer read us", "cache hit us"], rows))

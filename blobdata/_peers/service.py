@@ -148,7 +148,7 @@ class Service:
                 return plain(404, "not an object of this job's datasets")
             found.append(one)
         homes = self.homes
-        if homes is None or any(homes.home_of(url) != self.me for url, _, _ in asked):
+        if homes is None or bool((homes.homes_of([url for url, _, _ in asked]) != self.me).any()):
             self._refuse("not home")
             return plain(421, "this node is not the object's home")
         need = sum(max(size, 0) for _, _, size in asked)

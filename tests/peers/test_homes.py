@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blobdata._peers import Homes
+from blobdata._peers.homes import NUMPY_FROM, _mix, key_hash
 
 URLS = [f"s3://bucket/train/n{i % 1000:08d}/img_{i}.JPEG" for i in range(20000)]
 
@@ -61,6 +62,21 @@ def test_the_order_of_the_names_and_their_ranks_do_not_matter() -> None:
 def test_the_batch_form_agrees_with_the_one_object_form(urls: list[str], n: int) -> None:
     homes = Homes(_names(n))
     assert homes.homes_of(urls).tolist() == [homes.home_of(u) for u in urls]
+
+
+@pytest.mark.parametrize("n", [2, NUMPY_FROM - 1, NUMPY_FROM, 64, 200])
+def test_every_form_gives_the_highest_score_whatever_the_number_of_nodes(n: int) -> None:
+    """One object's home is scored in Python for few nodes and in numpy for many, a batch in numpy (or
+    in Python for a few objects): each gives the node of the highest score, the first of equal ones."""
+    homes = Homes(_names(n))
+    salts = [key_hash("node\0" + name) for name in homes.nodes]
+    urls = URLS[:1500]
+    reference = [max(range(n), key=lambda k: (_mix(key_hash(u) ^ salts[k]), -k)) for u in urls]
+    assert [homes.home_of(u) for u in urls] == reference
+    assert homes.homes_of(urls).tolist() == reference
+    assert [homes.homes_of(urls[k : k + 3]).tolist() for k in range(0, 30, 3)] == [
+        reference[k : k + 3] for k in range(0, 30, 3)
+    ]
 
 
 def test_names_must_be_distinct_and_there_must_be_one() -> None:
