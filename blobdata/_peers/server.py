@@ -8,16 +8,33 @@ time per connection, as the asking side sends them (bytes that arrive meanwhile 
 is); the next is read once the answer is written and the socket's buffer has drained. At most
 ``max_connections`` connections at once: more are closed at accept. What the answer says is the
 handler's (:mod:`.service`).
+
+Every process of every other node may hold connections to a node's service (a job of 16 nodes of 8
+ranks and 8 workers: over a thousand), more than the 1,024 files a process may open by default. A
+server that starts raises its process's soft limit on open files toward the hard one, for its
+connections and as many again for the process's other files (:func:`room_for`), and takes no more
+connections than that limit leaves room for: past it, accept would fail (EMFILE) and the connections
+would wait in the backlog, where a closed one is refused at once and its asker goes to the bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import re
+import resource
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-__all__ = ["MAX_HEAD", "Reply", "Request", "Server", "plain"]
+__all__ = ["MAX_CONNECTIONS", "MAX_HEAD", "Reply", "Request", "Server", "plain", "room_for"]
+
+_log = logging.getLogger("blobdata")
+
+#: Connections a node's service holds at most (each a few KB while idle).
+MAX_CONNECTIONS = 8192
+#: Fewer connections than this, for want of open files, are worth a warning.
+_WARN_BELOW = 1024
 
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
@@ -179,10 +196,48 @@ class _Conn(asyncio.Protocol):
         self.transport = None
 
 
+def room_for(connections: int) -> int:
+    """How many connections this process can hold, once its soft limit on open files is raised (toward
+    the hard limit, never lowered) to ``connections`` plus as many again, at least 1,024, for its other
+    files (a training process's cache, bucket connections, DataLoader pipes, shared tensors): the
+    limit less that reserve; where the hard limit is lower than that, half of what the files open now
+    leave. A warning says so where that is fewer than 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    reserve = max(1024, connections)
+    want = connections + reserve
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard) and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            _log.debug("blobdata: open files limit raised from %d to %d for the peer service", soft, new)
+            soft = new
+        except (ValueError, OSError):  # not allowed here: the limit stays
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return connections
+    # What the reserve leaves, and where that is nothing, half of what the files open now leave.
+    room = min(connections, max(soft - reserve, (soft - _open_files()) // 2, 0))
+    if room < connections:  # said where it would hold back a job of a dozen nodes or so
+        (_log.warning if room < min(connections, _WARN_BELOW) else _log.debug)(
+            "blobdata: this process may open only %d files (ulimit -n; hard limit %s), so its peer "
+            "service holds at most %d connections; a job of many nodes wants more: raise the hard limit "
+            "(ulimit -Hn, or LimitNOFILE in a systemd unit)", soft,
+            "unlimited" if hard == resource.RLIM_INFINITY else hard, room,
+        )  # fmt: skip
+    return room
+
+
+def _open_files() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux
+        return 0
+
+
 class Server:
     """Serves ``handler``'s answers on ``host``:``port`` (0: a free port) of the running loop."""
 
-    def __init__(self, handler: Handler, *, max_connections: int = 4096) -> None:
+    def __init__(self, handler: Handler, *, max_connections: int = MAX_CONNECTIONS) -> None:
         self.handler = handler
         self.max_connections = max_connections
         self.conns: set[_Conn] = set()
@@ -192,7 +247,11 @@ class Server:
     async def start(self, host: str, port: int = 0) -> int:
         """Listen; returns the port."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Conn(self), host, port, backlog=1024)
+        self.max_connections = room_for(self.max_connections)
+        # asyncio accepts up to `backlog` connections in one go, before the ones refused are closed: a
+        # fraction of the room, lest a burst past it make accept fail (EMFILE) and stall the listener.
+        backlog = min(1024, max(16, self.max_connections // 4))
+        self._server = await loop.create_server(lambda: _Conn(self), host, port, backlog=backlog)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
