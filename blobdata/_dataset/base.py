@@ -273,15 +273,21 @@ class BlobDatasetBase:
         if self._handoff:  # a new worker's first batch: what was fetched for it is staged first
             self._adopt_handoff(proc)
         datas = read_batch(self, proc, indices)
-        rest = [k for k, d in enumerate(datas) if d is PENDING]
+        self._read_rest(proc, indices, seed, datas, [k for k, d in enumerate(datas) if d is PENDING])
+        _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t
+        return datas
+
+    def _read_rest(
+        self, proc: ProcessState, indices: list[int], seed: int | None, datas: list[Any], rest: list[int]
+    ) -> None:
+        """``datas[k]`` for each ``k`` of ``rest`` (what the thread could not read itself) from the loop;
+        where there is none, the look-ahead moves past the batch ``indices`` from here."""
         if rest:
             got = run(self._gather([indices[k] for k in rest], seed, batch=indices))
             for k, data in zip(rest, got, strict=True):
                 datas[k] = data
         elif self._channel is not None and self.lookahead > 0:
             self._advance(proc, indices, seed)
-        _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t
-        return datas
 
     async def _fetch_object(
         self, url: str, size: int | None, identity: str, *, learn: bool = False, checked: bool = False

@@ -27,7 +27,6 @@ import torch.utils.data
 from .._config import FetchOptions
 from .._errors import ConfigError
 from .._fetch import IN_FLIGHT, PlanChannel
-from .._loop import run
 from .._metrics import stats as _stats
 from .._sampling import checked_weights, listing_digest, source_key
 from .base import BlobDatasetBase
@@ -213,13 +212,9 @@ class Mixture(BlobDatasetBase, torch.utils.data.Dataset[Any]):
                 _stats.rec()[_stats.FETCH_WAIT_S] += time.perf_counter() - t1
             for p, d in zip(pos, sub, strict=True):
                 datas[p] = d
-        rest = [j for j, d in enumerate(datas) if d is PENDING or d is IN_FLIGHT]
-        if rest:
-            got = run(self._gather([indices[j] for j in rest], seed, batch=indices))
-            for j, data in zip(rest, got, strict=True):
-                datas[j] = data
-        elif self._channel is not None and self.lookahead > 0:
-            self._advance(proc, indices, seed)
+        self._read_rest(
+            proc, indices, seed, datas, [j for j, d in enumerate(datas) if d is PENDING or d is IN_FLIGHT]
+        )
         for k, waited in self._waits.items():
             with _stats.counting_for(k):
                 _stats.rec()[_stats.FETCH_WAIT_S] += waited
