@@ -79,6 +79,31 @@ def test_every_form_gives_the_highest_score_whatever_the_number_of_nodes(n: int)
     ]
 
 
+def _calls_per_object(n: int) -> tuple[float, float]:
+    """Python calls, and calls of the per-node mix, per object scored alone among ``n`` nodes."""
+    import cProfile
+    import pstats
+
+    homes = Homes(_names(n))
+    prof = cProfile.Profile()
+    prof.enable()
+    for url in URLS[:100]:
+        homes.home_of(url)
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    calls = sum(s[1] for s in stats.values()) / 100
+    mixes = sum(s[1] for (_, _, name), s in stats.items() if name == "_mix") / 100
+    return calls, mixes
+
+
+def test_scoring_one_object_among_many_nodes_costs_the_same_python_calls_whatever_their_number() -> None:
+    """The Python loop makes a call per node; from NUMPY_FROM nodes on, the Python calls per object do
+    not grow with the nodes (what a job of 128 nodes pays on each side of a peer read)."""
+    assert _calls_per_object(4)[1] == 4 and _calls_per_object(NUMPY_FROM - 1)[1] == NUMPY_FROM - 1
+    few, many = _calls_per_object(NUMPY_FROM), _calls_per_object(128)
+    assert few[1] == many[1] == 0 and few[0] == many[0]
+
+
 def test_names_must_be_distinct_and_there_must_be_one() -> None:
     with pytest.raises(ValueError, match="distinct"):
         Homes(["a", "b", "a"])
