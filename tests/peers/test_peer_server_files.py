@@ -73,7 +73,8 @@ class Child:
 
 
 def _connect(port: int, n: int) -> list[socket.socket]:
-    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(n)]
+    # A full listen queue drops a SYN, and the kernel sends it again 1, 2, 4 s later: 30 s covers it.
+    return [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(n)]
 
 
 def _answered(sock: socket.socket, deadline: float) -> bool:
