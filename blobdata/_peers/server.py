@@ -13,8 +13,9 @@ Every process of every other node may hold connections to a node's service (a jo
 ranks and 8 workers: over a thousand), more than the 1,024 files a process may open by default. A
 server that starts raises its process's soft limit on open files toward the hard one, for its
 connections and as many again for the process's other files (:func:`room_for`), and takes no more
-connections than that limit leaves room for: past it, accept would fail (EMFILE) and the connections
-would wait in the backlog, where a closed one is refused at once and its asker goes to the bucket.
+connections than that limit leaves room for. Past that room a connection is closed at once, and its
+asker reads from the bucket; past the limit itself, accept would fail (EMFILE) and the connections
+beyond would wait in the listener's backlog.
 """
 
 from __future__ import annotations
