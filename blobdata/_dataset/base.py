@@ -37,7 +37,7 @@ from .._url import parse_url, printable
 from . import handover
 from .ahead import BuiltAhead, Stopped
 from .loader import BlobLoader
-from .peering import join_peers, not_kept, read_from_home
+from .peering import join_peers, not_kept, note_homes, read_from_home
 from .reads import PENDING, Objects, ProcessState, read_batch
 from .settings import LEGACY_KEYWORDS, legacy_keywords, named_sampler, resolve_cache
 
@@ -208,6 +208,8 @@ class BlobDatasetBase:
         t = time.perf_counter()
         found = cache.has_many(list(zip(obj.urls, obj.ids, strict=True)))
         _stats.rec()[_stats.CACHE_S] += time.perf_counter() - t
+        if proc.peers is not None:  # what is missing is read from its home: scored here, as a batch
+            note_homes(proc, [u for u, f in zip(obj.urls, found, strict=True) if not f], 4 * self.lookahead)
         if obj.offsets is not None:
             found = [all(found[a:b]) for a, b in itertools.pairwise(obj.offsets)]
         if ask is indices:

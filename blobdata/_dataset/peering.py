@@ -16,7 +16,7 @@ from .._peers import PeerClient, Peers, PeerTable, join, peers_setting, serve
 from .._url import printable
 from .reads import Objects, ProcessState
 
-__all__ = ["away", "join_peers", "not_kept", "read_from_home", "serve_peer"]
+__all__ = ["away", "join_peers", "not_kept", "note_homes", "read_from_home", "serve_peer"]
 
 _log = logging.getLogger("blobdata")
 
@@ -47,13 +47,29 @@ async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: 
     service, which reads each object from the bucket once per job); from the bucket where the home does
     not answer in time or answers wrong. Not kept in this node's cache: its home keeps it."""
     bucket = functools.partial(proc.engine.fetch, url, size=size, identity=identity)
-    data, from_peer = await peers.read(peers.home_of(url), url, size, identity, bucket)
+    home = proc.homes.pop(url, None)
+    data, from_peer = await peers.read(
+        peers.home_of(url) if home is None else home, url, size, identity, bucket
+    )
     v = _stats.rec()
     if from_peer:
         v[_stats.N_FROM_PEER if _stats.next_epoch() else _stats.FROM_PEER] += 1
     else:
         v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
     return data
+
+
+def note_homes(proc: ProcessState, urls: list[str], limit: int) -> None:
+    """The homes of ``urls``, which the look-ahead found missing from the cache and will read, scored as
+    one batch (:meth:`~blobdata._peers.Homes.homes_of`) for their reads to take (one object scored
+    alone costs 1.2 us and 0.4 us per node, 10 us from 24 nodes). Past ``limit`` entries (reads given
+    up, or answered by the cache after all) the notes start again."""
+    peers = proc.peers
+    if peers is None or not urls:
+        return
+    if len(proc.homes) > limit:
+        proc.homes.clear()
+    proc.homes.update(zip(urls, peers.homes.homes_of(urls).tolist(), strict=True))
 
 
 def not_kept(ds: Any, indices: list[int]) -> list[int]:

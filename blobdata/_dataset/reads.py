@@ -88,6 +88,9 @@ class ProcessState:
         # Peers on: what this node is not home for is asked of its home node first.
         table = getattr(ds, "_peers", None)
         self.peers = PeerClient(table) if table is not None else None
+        #: Homes of objects the look-ahead found missing and is fetching, scored as one batch when it
+        #: looked them up (:func:`~blobdata._dataset.peering.note_homes`); each read takes its own.
+        self.homes: dict[str, int] = {}
         self.lookahead: LookAhead | None = None
         self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
         self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
