@@ -1,0 +1,29 @@
+"""A dataset among peers (``blobdata._dataset.peering``), white-box: what its look-ahead notes for the
+reads it starts."""
+
+from __future__ import annotations
+
+import os
+import types
+
+from blobdata._dataset.peering import note_homes
+from blobdata._peers import PeerClient, PeerTable
+
+
+def test_the_look_ahead_scores_the_homes_of_what_it_will_read_as_one_batch() -> None:
+    """What the look-ahead finds missing from the cache is noted with its home, scored as one batch, for
+    each read to take (the same home an object scored alone gets); past the bound the notes start
+    again, so reads given up leave nothing behind for long."""
+    names = [f"10.0.0.{k + 1}" for k in range(30)]  # past NUMPY_FROM: one object alone costs 10 us
+    client = PeerClient(PeerTable(os.urandom(32), names, [f"127.0.0.1:{9 + k}" for k in range(30)], 0, 16))
+    proc = types.SimpleNamespace(peers=client, homes={})
+    urls = [f"s3://bucket/train/c{k % 3}/{k:05d}.jpg" for k in range(40)]
+    note_homes(proc, urls[:20], limit=30)  # type: ignore[arg-type]
+    assert proc.homes == {u: client.home_of(u) for u in urls[:20]}
+    assert len(set(proc.homes.values())) > 5  # spread over the nodes, not one answer for all
+    note_homes(proc, urls[20:35], limit=30)  # type: ignore[arg-type]
+    assert len(proc.homes) == 35  # 20 noted, within the bound: kept
+    note_homes(proc, urls[35:], limit=30)  # type: ignore[arg-type]
+    assert proc.homes == {u: client.home_of(u) for u in urls[35:]}  # past it: started again
+    note_homes(proc, [], limit=30)  # type: ignore[arg-type]
+    assert len(proc.homes) == 5
