@@ -209,7 +209,7 @@ class BlobDatasetBase:
         found = cache.has_many(list(zip(obj.urls, obj.ids, strict=True)))
         _stats.rec()[_stats.CACHE_S] += time.perf_counter() - t
         if proc.peers is not None:  # what is missing is read from its home: scored here, as a batch
-            note_homes(proc, [u for u, f in zip(obj.urls, found, strict=True) if not f], 4 * self.lookahead)
+            note_homes(proc, obj, found, 4 * self.lookahead)
         if obj.offsets is not None:
             found = [all(found[a:b]) for a, b in itertools.pairwise(obj.offsets)]
         if ask is indices:

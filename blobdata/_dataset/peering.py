@@ -59,13 +59,18 @@ async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: 
     return data
 
 
-def note_homes(proc: ProcessState, urls: list[str], limit: int) -> None:
-    """The homes of ``urls``, which the look-ahead found missing from the cache and will read, scored as
-    one batch (:meth:`~blobdata._peers.Homes.homes_of`) for their reads to take (one object scored
-    alone costs 1.2 us and 0.4 us per node, 10 us from 24 nodes). Past ``limit`` entries (reads given
-    up, or answered by the cache after all) the notes start again."""
+def note_homes(proc: ProcessState, objects: Objects, found: list[bool], limit: int) -> None:
+    """The homes of ``objects`` the look-ahead found missing from the cache (``found``) and will read
+    from their homes (their identity and size known: :func:`read_from_home`), scored as one batch
+    (:meth:`~blobdata._peers.Homes.homes_of`) for their reads to take (one object scored alone costs
+    1.2 us and 0.4 us per node, 10 us from 24 nodes). Past ``limit`` entries (reads given up, or
+    answered by the cache after all) the notes start again."""
     peers = proc.peers
-    if peers is None or not urls:
+    if peers is None:
+        return
+    known = zip(objects.urls, objects.ids, objects.sizes, found, strict=True)
+    urls = [u for u, e, n, f in known if not f and e and n >= 0]
+    if not urls:
         return
     if len(proc.homes) > limit:
         proc.homes.clear()

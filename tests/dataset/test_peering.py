@@ -7,6 +7,7 @@ import os
 import types
 
 from blobdata._dataset.peering import note_homes
+from blobdata._dataset.reads import Objects
 from blobdata._peers import PeerClient, PeerTable
 
 
@@ -18,12 +19,19 @@ def test_the_look_ahead_scores_the_homes_of_what_it_will_read_as_one_batch() -> 
     client = PeerClient(PeerTable(os.urandom(32), names, [f"127.0.0.1:{9 + k}" for k in range(30)], 0, 16))
     proc = types.SimpleNamespace(peers=client, homes={})
     urls = [f"s3://bucket/train/c{k % 3}/{k:05d}.jpg" for k in range(40)]
-    note_homes(proc, urls[:20], limit=30)  # type: ignore[arg-type]
+
+    def note(part: list[str], found: list[bool] | None = None, ids: list[str] | None = None) -> None:
+        objects = Objects(list(range(len(part))), None, part, [100] * len(part), ids or ["e"] * len(part))
+        note_homes(proc, objects, found or [False] * len(part), limit=30)  # type: ignore[arg-type]
+
+    note(urls[:20])
     assert proc.homes == {u: client.home_of(u) for u in urls[:20]}
     assert len(set(proc.homes.values())) > 5  # spread over the nodes, not one answer for all
-    note_homes(proc, urls[20:35], limit=30)  # type: ignore[arg-type]
+    note(urls[20:35])
     assert len(proc.homes) == 35  # 20 noted, within the bound: kept
-    note_homes(proc, urls[35:], limit=30)  # type: ignore[arg-type]
+    note(urls[35:])
     assert proc.homes == {u: client.home_of(u) for u in urls[35:]}  # past it: started again
-    note_homes(proc, [], limit=30)  # type: ignore[arg-type]
-    assert len(proc.homes) == 5
+    # Only what will be read from a home: not what the cache has, nor an object of unknown identity
+    # (read from the bucket, its note would never be taken).
+    note(urls[:4], found=[True, False, True, False], ids=["e", "e", "e", ""])
+    assert set(proc.homes) == {*urls[35:], urls[1]}
