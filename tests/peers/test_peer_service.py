@@ -8,6 +8,8 @@ from __future__ import annotations
 import http.client
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,13 +293,28 @@ def test_another_user_of_the_node_can_neither_ask_nor_find_the_secret(served: Se
 
     as_other_user(other)
     assert _gets(served.proxy) == 0
-    # Nothing the service keeps on disk holds the secret (the node's directory, the cache).
-    node_dir = Path(os.environ["BLOBDATA_NODE_DIR"])
-    for place in (node_dir, tmp_path):
-        for path in place.rglob("*"):
-            if path.is_file():
-                data = path.read_bytes()
-                assert SECRET not in data and SECRET.hex().encode() not in data, path
+    # Nothing the service keeps on disk holds the secret (the node's directory, the cache). Read by a
+    # child process: this one holds POSIX locks on a file there (its throttle table's owner entries),
+    # which the kernel drops when the process closes any descriptor of that file; a dead owner in a
+    # slot this process then wrongly believes its own would never be swept.
+    found = subprocess.run(
+        [sys.executable, "-c", _SCAN, SECRET.hex(), os.environ["BLOBDATA_NODE_DIR"], str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert found.stdout.split("\n")[0] == "scanned" and "secret in" not in found.stdout, found.stdout
+
+
+_SCAN = """
+import pathlib, sys
+secret = bytes.fromhex(sys.argv[1])
+print("scanned")
+for place in sys.argv[2:]:
+    for path in pathlib.Path(place).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            data = path.read_bytes()
+            if secret in data or secret.hex().encode() in data:
+                print("secret in", path)
+"""
 
 
 # -- batches: one request for many objects ------------------------------------------------------------
