@@ -272,7 +272,7 @@ class BlobDatasetBase:
         all at once on the loop; the time is counted as fetch wait."""
         t = time.perf_counter()
         proc = self._process()
-        if self._handoff:  # a new worker's first batch: what was fetched for it is staged first
+        if self._handoff:  # a new worker's first batch: what was fetched for it becomes its own
             self._adopt_handoff(proc)
         datas = read_batch(self, proc, indices)
         self._read_rest(proc, indices, seed, datas, [k for k, d in enumerate(datas) if d is PENDING])
@@ -330,8 +330,9 @@ class BlobDatasetBase:
             cached = self._cached if self._marks_present() else None
             fetch = functools.partial(self._load, checked=True) if cached is not None else self._load
             proc.lookahead = LookAhead(
-                fetch, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes, cached=cached
-            )
+                fetch, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes,
+                cached=cached, handed=proc.handed,
+            )  # fmt: skip
         return proc.lookahead
 
     async def _gather(

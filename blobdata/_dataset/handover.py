@@ -4,7 +4,8 @@ epoch (``persistent_workers=False``), and found by those workers in their forked
 :class:`~blobdata._dataset.loader.BlobLoader` calls :func:`start` near an epoch's end with what the new
 workers will not find in the node's cache (:func:`~blobdata._dataset.peering.not_kept`),
 :func:`settle` before it forks them and :func:`drop` once they exist; a worker given a hand-over
-stages it (:func:`adopt`) as if its own look-ahead had fetched it. See ``docs/resume.md``.
+takes it at its first batch (:func:`adopt`), and the thread serving its first batches reads it as it
+reads the cache's hits, without waiting for the worker's loop. See ``docs/resume.md``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from .._loop import run, submit
 from .._metrics import stats as _stats
 
 if TYPE_CHECKING:
-    from .._fetch import LookAhead
     from .reads import ProcessState
 
 __all__ = ["adopt", "drop", "settle", "start"]
@@ -72,18 +72,14 @@ def settle(ds: Any, wait_s: float = 2.0) -> None:
 
 
 def adopt(ds: Any, proc: ProcessState) -> None:
-    """In a worker forked with a hand-over: stage it, on the loop, as if its own look-ahead had fetched
-    it (its first batches then take it from there, in the read path of any other batch)."""
+    """In a worker forked with a hand-over, at its first batch: the hand-over becomes this process's
+    (:attr:`ProcessState.handed`), which the thread serving its batches takes from as it reads the
+    node cache (:func:`~blobdata._dataset.reads.take_handed`), and which its look-ahead does not
+    stage. Nothing here waits for the worker's loop, nor starts it: a first batch that the hand-over
+    and the cache hold is read without it, as a cache's hits are."""
     if ds._handoff and torch.utils.data.get_worker_info() is not None:
         handoff, ds._handoff = ds._handoff, {}
-        staging = ds._lookahead(proc)  # there is a hand-over only with a look-ahead
-        if staging is not None:
-            run(_put_all(staging, handoff))
-
-
-async def _put_all(staging: LookAhead, fetched: dict[int, Any]) -> None:
-    for i, data in fetched.items():
-        staging.stager.put(i, data)
+        proc.handed.update(handoff)
 
 
 def drop(ds: Any) -> None:

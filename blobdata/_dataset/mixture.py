@@ -31,7 +31,7 @@ from .._metrics import stats as _stats
 from .._sampling import checked_weights, listing_digest, source_key
 from .base import BlobDatasetBase
 from .loader import BlobLoader
-from .reads import PENDING, read_direct, take_staged
+from .reads import PENDING, read_direct, take_handed, take_staged
 
 __all__ = ["Mixture"]
 
@@ -196,9 +196,11 @@ class Mixture(BlobDatasetBase, torch.utils.data.Dataset[Any]):
         t = time.perf_counter()
         proc = self._process()
         self._waits = {}
-        if self._handoff:  # a new worker's first batch: what was fetched for it is staged first
+        if self._handoff:  # a new worker's first batch: what was fetched for it becomes its own
             self._adopt_handoff(proc)
         datas = take_staged(proc, indices)
+        if proc.handed:
+            take_handed(proc, indices, datas)
         split = self._split(indices)
         self._last = (indices, split)
         for k, pos, local in split:

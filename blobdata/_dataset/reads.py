@@ -32,7 +32,10 @@ from .._peers import PeerClient, PeerTable
 from .._stores import read_local_file, resolve_storage_options
 from .ahead import BuiltAhead
 
-__all__ = ["PENDING", "Dataset", "Objects", "ProcessState", "read_batch", "read_direct", "take_staged"]
+__all__ = [
+    "PENDING", "Dataset", "Objects", "ProcessState", "read_batch", "read_direct", "take_handed",
+    "take_staged",
+]  # fmt: skip
 
 
 class Dataset(Protocol):
@@ -94,6 +97,9 @@ class ProcessState:
         self.lookahead: LookAhead | None = None
         self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
         self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
+        #: A new worker's hand-over (what the training process fetched for its first batches), taken
+        #: by the thread serving them (:func:`take_handed`); the look-ahead does not stage it.
+        self.handed: dict[int, Any] = {}
         self.advancing: threading.Event | None = None  # set once the look-ahead moved past the last batch
         #: The last batch read here and its objects' URLs, which making its samples needs again.
         self.urls: tuple[list[int], list[str]] | None = None
@@ -173,8 +179,24 @@ def read_batch(ds: Dataset, proc: ProcessState, idx: list[int]) -> list[Any]:
     """Each sample's data (or the error met reading it) where it could be had without the loop; else
     :data:`PENDING`."""
     out = take_staged(proc, idx)
+    if proc.handed:
+        take_handed(proc, idx, out)
     read_direct(ds, proc, idx, out)
     return [PENDING if d is IN_FLIGHT else d for d in out]
+
+
+def take_handed(proc: ProcessState, idx: list[int], out: list[Any]) -> None:
+    """Fill ``out[k]`` still :data:`PENDING` with what was handed over to this worker for sample
+    ``idx[k]`` (taken once: a sample read again later in the epoch is read as any other)."""
+    handed = proc.handed
+    n = 0
+    for k, i in enumerate(idx):
+        if out[k] is PENDING:
+            data = handed.pop(i, PENDING)
+            if data is not PENDING:
+                out[k] = data
+                n += 1
+    _stats.rec()[_stats.B_STAGED] += n
 
 
 def take_staged(proc: ProcessState, idx: list[int]) -> list[Any]:

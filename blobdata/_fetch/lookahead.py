@@ -18,7 +18,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Callable, Container, Coroutine, Iterator, Sequence
 from typing import Any, Protocol
 
 from .._metrics import stats as _stats
@@ -218,7 +218,8 @@ class Stager:
     thread serving batches calls once per batch. With ``cached`` (a batch of indices -> whether each
     one's objects are all in the node cache: one index lookup), what the cache holds is not fetched:
     it is marked *present* and left to the thread serving its batch, which reads it from the cache
-    itself (one lookup per batch, in the thread that uses the bytes); only the rest is fetched.
+    itself (one lookup per batch, in the thread that uses the bytes); only the rest is fetched. What
+    is in ``handed`` (a new worker's hand-over, which that thread takes itself) is neither.
     """
 
     def __init__(
@@ -229,10 +230,12 @@ class Stager:
         max_items: int,
         max_bytes: int,
         cached: Callable[[list[int]], list[bool]] | None = None,
+        handed: Container[int] = (),
     ) -> None:
         self._fetch = fetch
         self._size_of = size_of
         self._cached = cached
+        self._handed = handed
         self.max_items = max_items
         self.max_bytes = max_bytes
         self._tasks: dict[int, asyncio.Future[Any]] = {}
@@ -255,13 +258,13 @@ class Stager:
         already): fewer than given where a bound stopped it."""
         chosen: list[int] = []
         sizes: list[int] = []
-        tasks, present = self._tasks, self._present
+        tasks, present, handed = self._tasks, self._present, self._handed
         handled = 0
         with self._lock:
             count, total = len(tasks) + len(present), self._bytes
             for raw in indices:
                 i = int(raw)
-                if i in tasks or i in present:
+                if i in tasks or i in present or i in handed:
                     handled += 1
                     continue
                 size = self._size_of(i)
@@ -283,16 +286,6 @@ class Stager:
             self.peak_items = max(self.peak_items, len(tasks) + len(present))
             self.peak_bytes = max(self.peak_bytes, self._bytes)
         return handled
-
-    def put(self, index: int, value: Any) -> None:
-        """Stage ``value``, fetched already (by the process that started this one); call on the loop."""
-        with self._lock:
-            if index not in self._tasks:
-                self._present.discard(index)
-                done = asyncio.get_running_loop().create_future()
-                done.set_result(value)
-                self._tasks[index] = done
-                self._bytes += self._size_of(index)
 
     def pop(self, index: int) -> asyncio.Future[Any] | None:
         """Remove and return the staged fetch of ``index`` (None if not fetched here: not staged, or
@@ -348,8 +341,11 @@ class LookAhead:
         max_items: int,
         max_bytes: int,
         cached: Callable[[list[int]], list[bool]] | None = None,
+        handed: Container[int] = (),
     ) -> None:
-        self.stager = Stager(fetch, size_of, max_items=max_items, max_bytes=max_bytes, cached=cached)
+        self.stager = Stager(
+            fetch, size_of, max_items=max_items, max_bytes=max_bytes, cached=cached, handed=handed
+        )
         self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
         self._plan: Plan | None = None
         self._ramp = 0  # batches served this epoch, up to where the depth is full

@@ -81,11 +81,15 @@ _BASE_S = 1e-5
 ) = range(_HIST0 + _BUCKETS + 8, _HIST0 + _BUCKETS + 19)  # fmt: skip
 #: Peer answer latency histogram: 2 buckets per octave from 100 us (the last: above ~6.5 s).
 _PHIST0, _PBUCKETS, _PBASE_S = _HIST0 + _BUCKETS + 19, 32, 1e-4
+#: Samples the thread serving batches took from what was fetched for it ahead (a new worker's
+#: hand-over), counted with those the loop took from its look-ahead.
+B_STAGED = _PHIST0 + _PBUCKETS
 _FOLDED = (
     (B_FROM_CACHE, FROM_CACHE), (B_BYTES_CACHE, BYTES_CACHE), (B_CACHE_S, CACHE_S),
     (B_FROM_BUCKET, FROM_BUCKET), (B_BYTES_BUCKET, BYTES_BUCKET), (B_CACHE_DROPPED, CACHE_DROPPED),
+    (B_STAGED, STAGED),
 )  # fmt: skip
-SIZE = _PHIST0 + _PBUCKETS  # slots (8 bytes each); slot 1 holds SIZE, a layout check
+SIZE = B_STAGED + 1  # slots (8 bytes each); slot 1 holds SIZE, a layout check
 
 #: Slots a source's record keeps for itself alone: the loader's whole count has them from the main record.
 _OWN_SLOTS = (SERVED, FETCH_WAIT_S)

@@ -212,6 +212,48 @@ def test_new_workers_find_their_first_batches_fetched_for_them(folder: Path) -> 
     assert staged == [N - 8, N - 8, N, N]
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mixed", [False, True], ids=["dataset", "mixture"])
+def test_a_new_worker_reads_its_hand_over_in_its_own_thread_and_nothing_twice(
+    s3_bucket: Any, s3_proxy: Any, mixed: bool
+) -> None:
+    """The hand-over is read by the thread serving a new worker's first batches, as the cache's hits
+    are (a first batch then waits for neither the worker's loop to start nor its look-ahead's first
+    requests); and the worker's look-ahead, which skips it, fetches none of it again. A mixture's
+    workers take theirs alike."""
+    from blobdata import Mixture
+    from blobdata._metrics import stats as _stats
+
+    s3_bucket.put_many({f"h/c{i % 2}/{i:03d}.png": bytes([i + 1]) * 9 for i in range(N)})
+    ds = FolderDataset(s3_bucket.url("h"), storage_options=s3_proxy.storage_options, loader=_sum_loader,
+                       lookahead=16)  # fmt: skip
+    if mixed:
+        mix = Mixture({"h": ds}, {"h": 1.0}, samples_per_epoch=N, seed=3)
+        loader = mix.dataloader(batch_size=4, num_workers=2, multiprocessing_context="fork")
+    else:
+        loader = ds.dataloader(batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="fork",
+                               generator=torch.Generator().manual_seed(3))  # fmt: skip
+    listed = len(s3_proxy.requests)
+    out, staged = _staged_per_epoch(loader, 2)
+    loader._planner.hand_over = None  # the last epoch: nothing fetched for a fourth, which never comes
+    third, total = _staged_per_epoch(loader, 1)
+    out, staged = out + third, [*staged, total[0] - sum(staged)]
+    gets = [target for method, target in s3_proxy.requests[listed:] if method == "GET" and "/h/c" in target]
+    main, parts = loader._records.by_source()
+    assert _stats.combined(main, parts)[_stats.B_STAGED] == 16  # taken by the workers' serving threads
+    # Each sample's objects once per epoch: the third epoch's first batches (2 per worker: 16 samples)
+    # were read in the training process near the second's end, and by no worker again.
+    assert len(gets) == 3 * N
+    if mixed:  # its own order (drawn with replacement): the rest is the dataset's
+        return
+    plain = torch.utils.data.DataLoader(
+        FolderDataset(s3_bucket.url("h"), storage_options=s3_proxy.storage_options, loader=_sum_loader),
+        batch_size=4, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(3),
+    )  # fmt: skip
+    assert out == [[_plain(b) for b in plain] for _ in range(3)]
+    assert len(set(gets)) == N and staged == [N - 8, N - 8, N]
+
+
 @pytest.mark.slow  # spawned workers import torch afresh: half a minute on 2 cores
 @pytest.mark.timeout(180)
 def test_nothing_is_handed_over_to_spawned_workers_or_with_a_cache(
