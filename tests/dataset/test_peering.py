@@ -35,3 +35,25 @@ def test_the_look_ahead_scores_the_homes_of_what_it_will_read_as_one_batch() -> 
     # (read from the bucket, its note would never be taken).
     note(urls[:4], found=[True, False, True, False], ids=["e", "e", "e", ""])
     assert set(proc.homes) == {*urls[35:], urls[1]}
+
+
+def test_a_read_takes_its_note_and_scores_no_home_itself() -> None:
+    """A read the look-ahead noted goes to the noted home, whose note it takes; one not noted (read
+    for a batch directly) scores its home itself."""
+    from blobdata._dataset.peering import read_from_home
+    from blobdata._loop import run
+
+    asked: list[tuple[int, str]] = []
+
+    async def read(home: int, url: str, size: int, identity: str, bucket: object) -> tuple[bytes, bool]:
+        asked.append((home, url))
+        return b"x" * size, True
+
+    scored: list[str] = []
+    peers = types.SimpleNamespace(read=read, home_of=lambda url: scored.append(url) or 5)
+    engine = types.SimpleNamespace(fetch=lambda *_, **__: None)  # the bucket: not asked here
+    proc = types.SimpleNamespace(engine=engine, homes={"s3://b/d/a.jpg": 3})
+    assert run(read_from_home(proc, peers, "s3://b/d/a.jpg", 4, "e")) == b"xxxx"  # type: ignore[arg-type]
+    assert asked == [(3, "s3://b/d/a.jpg")] and not scored and not proc.homes
+    assert run(read_from_home(proc, peers, "s3://b/d/b.jpg", 2, "e")) == b"xx"  # type: ignore[arg-type]
+    assert asked[1] == (5, "s3://b/d/b.jpg") and scored == ["s3://b/d/b.jpg"]
