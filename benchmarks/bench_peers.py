@@ -26,7 +26,9 @@ sample is decoded and cropped (the default loader, ``blobdata.testing.TrainTrans
 GPU computes), ``--persistent-workers`` keeps the workers across epochs (their CPU read from
 ``/proc``). Flat out on a machine of few cores the jobs are CPU-bound, and the epoch times say whose
 data path costs more CPU; with a step they say whether the training loop waits for data.
-Prints a table per job, then the ratios (from epoch 2 on) and the machine's load average.
+Prints a table per job, then the ratios (from epoch 2 on), where the training loop waited, where each
+epoch's first batch went (``iter()`` returning, the batch made in a worker, the loop having it) and
+the machine's load average.
 
     python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--step-ms 0]
         [--persistent-workers] [--per-peer 16] [--lookahead 0] [--json out.json]
@@ -55,11 +57,15 @@ from common import REPO, add_repo_to_path, table
 add_repo_to_path()
 
 JOBS = ("peers", "global", "partitioned")
+#: Per node and epoch: when iter() returned, the first batch was made in a worker, the loop had it.
+_FIRST = ("first_iter_s", "first_made_s", "first_had_s")
 
 
 # -- one node ------------------------------------------------------------------------------------------
-def _as_list(batch: list[Any]) -> list[Any]:
-    return batch
+def _stamped(batch: list[Any]) -> tuple[float, list[Any]]:
+    """The batch as a list, and when the worker made it (the clock every process of the machine reads):
+    the training loop tells the worker's part of a first batch's wait from its way to the loop."""
+    return time.time(), batch
 
 
 def _raw(fh: Any) -> bytes:
@@ -116,7 +122,7 @@ def node_main(spec_path: str) -> int:
     else:
         sampler = ElasticDistributedSampler(ds, num_replicas=n, rank=rank, seed=1)
     loader = ds.dataloader(
-        batch_size=spec["batch_size"], sampler=sampler, num_workers=spec["workers"], collate_fn=_as_list,
+        batch_size=spec["batch_size"], sampler=sampler, num_workers=spec["workers"], collate_fn=_stamped,
         persistent_workers=spec["persistent"],
     )
     out = []
@@ -127,15 +133,20 @@ def node_main(spec_path: str) -> int:
         _wait(store, f"{spec['run']}/go/{epoch}")
         sampler.set_epoch(epoch)
         t0, cpu0 = time.perf_counter(), _cpu_s()
-        samples, waits = 0, []
+        samples, waits, first = 0, [], (0.0, 0.0)
+        start = time.time()
         it = iter(loader)
+        began = time.time() - start  # iter(): the hand-over settled, the workers forked
         while True:
             w0 = time.perf_counter()
             batch = next(it, None)
             waits.append(time.perf_counter() - w0)  # the loop waiting for data (its last: the end)
             if batch is None:
                 break
-            samples += len(batch)
+            made, items = batch
+            if len(waits) == 1:  # when the first batch was made in a worker, and when the loop had it
+                first = (made - start, time.time() - start)
+            samples += len(items)
             if step_s:
                 time.sleep(step_s)  # the training step (a GPU's): the CPU is free meanwhile
         seconds = time.perf_counter() - t0
@@ -150,6 +161,7 @@ def node_main(spec_path: str) -> int:
             "peer_fallbacks": now.peer_fallbacks - before.peer_fallbacks,
             "peer_hedged": now.peer_hedged - before.peer_hedged,
             "peer_p50_s": now.peer_p50_s, "peer_p99_s": now.peer_p99_s, "waits_s": waits,
+            "first_iter_s": began, "first_made_s": first[0], "first_had_s": first[1],
         })  # fmt: skip
         before = now
     Path(spec["out"]).write_text(json.dumps({"epochs": out, "summary": loader.stats().summary()}))
@@ -243,6 +255,7 @@ def _run_job(
             "peer_p99_s": max(r["peer_p99_s"] for r in rows),
             "peer_p50_s": max(r["peer_p50_s"] for r in rows),
             "waits_s": [r["waits_s"] for r in rows],
+            **{k: sum(r[k] for r in rows) / len(rows) for k in _FIRST},
         })  # fmt: skip
     return {"job": job, "epochs": epochs, "summary": nodes[0]["summary"]}
 
@@ -291,6 +304,19 @@ def _waits_line(results: list[dict[str, Any]]) -> str:
         parts.append(f"{r['job']} {first:.0f} + {five:.0f} + {rest:.0f} = {first + five + rest:.0f}")
     return "from epoch 2 on, the loop's wait per node and epoch (ms), first batch + next 5 + rest: " + (
         ", ".join(parts))
+
+
+def _first_line(results: list[dict[str, Any]]) -> str:
+    """From epoch 2 on, per node and epoch on average, in ms from calling ``iter()``: when it returned (the
+    hand-over settled, the workers forked), when the first batch was made in a worker (its start and
+    its reads) and when the training loop had it (its way there)."""
+    parts = []
+    for r in results:
+        eps = [ep for ep in r["epochs"][1:] if ep.get("first_had_s")]
+        if eps:
+            began, made, had = (sum(ep[k] for ep in eps) / len(eps) * 1e3 for k in _FIRST)
+            parts.append(f"{r['job']} iter() {began:.0f}, made {made:.0f}, in the loop {had:.0f}")
+    return "from epoch 2 on, the first batch per node and epoch (ms from calling iter()): " + ", ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -382,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(with the proxies' {both:.2f})")  # fmt: skip
     if args.epochs > 1:
         print(_waits_line(results))
+        print(_first_line(results))
     for r in results:
         print(f"{r['job']} (node 0): {r['summary']}")
     if args.json is not None:

@@ -44,6 +44,9 @@ def test_bench_peers_small(tmp_path: Path) -> None:
     assert second["gets"] <= second["peer_hedged"] + second["peer_fallbacks"]
     # The peers' latency proxies relay every peer byte in this script's process: their CPU is reported.
     assert "proxies' CPU s" in printed and second["driver_cpu_s"] > 0
+    # Where the first batch's wait went: iter() returned, the batch was made, the loop had it.
+    assert "the first batch per node and epoch" in printed
+    assert 0 < second["first_iter_s"] <= second["first_made_s"] <= second["first_had_s"]
 
 
 @pytest.mark.timeout(120)
