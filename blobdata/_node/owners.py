@@ -23,6 +23,10 @@ import fcntl
 import os
 import shutil
 import stat
+import struct
+import sys
+
+from .. import _process
 
 __all__ = [
     "LOCK_NAME",
@@ -168,13 +172,30 @@ def owner_gone(directory: str) -> bool | None:
     return True
 
 
+#: Byte-range locks owned by the open file (Linux's OFD locks), where this system has them: unlike a
+#: process's POSIX record locks, they are not all dropped when the process closes any descriptor of
+#: the file (some other code in it reading the node's directory, say).
+_OFD = sys.platform == "linux" and hasattr(fcntl, "F_OFD_SETLK") and struct.calcsize("P") == 8
+
+
+def _range_lock(fd: int, slot: int, *, take: bool) -> None:
+    """Take (without waiting: OSError if another holds it) or drop the lock on byte ``slot`` of ``fd``."""
+    if _OFD:  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for an OFD lock), as the kernel's
+        kind = fcntl.F_WRLCK if take else fcntl.F_UNLCK
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, struct.pack("@hhqqi4x", kind, os.SEEK_SET, slot, 1, 0))
+    else:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB if take else fcntl.LOCK_UN, 1, slot)
+
+
 class SlotLocks:
-    """Liveness of the owners of a table's slots, by lock: a process holds a POSIX record lock on byte
-    ``slot`` of the file ``path`` for as long as it owns that slot (:meth:`claim`, :meth:`release`; the
-    kernel drops it when the process exits), and a sweeper that can take a slot's byte knows its owner
-    is gone (:meth:`gone`), whatever pid namespace it ran in. One object per process: POSIX locks are
-    not inherited by a fork, and closing any descriptor of the file would drop them, so the file is
-    never closed. OSError if ``path`` cannot be opened as this user's own file."""
+    """Liveness of the owners of a table's slots, by lock: a process holds a lock on byte ``slot`` of
+    the file ``path`` for as long as it owns that slot (:meth:`claim`, :meth:`release`; the kernel
+    drops it when the process exits), and a sweeper that can take a slot's byte knows its owner is
+    gone (:meth:`gone`), whatever pid namespace it ran in. One object per process, whose descriptor
+    stays open: the locks are the open file's (:data:`_OFD`; else the process's POSIX record locks,
+    which closing any descriptor of the file would drop). A forked child closes its inherited copy of
+    the descriptor first thing, so that a dead parent's slots are not kept held by its children.
+    OSError if ``path`` cannot be opened as this user's own file."""
 
     def __init__(self, path: str) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -184,12 +205,13 @@ class SlotLocks:
             raise PermissionError(f"{path} is not a file of this user's only")
         self._fd = fd
         self._mine: set[int] = set()
+        _slot_files[fd] = self
 
     def claim(self, slot: int) -> bool:
         """Hold ``slot``'s lock; False if another live process holds it."""
         if slot not in self._mine:
             try:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+                _range_lock(self._fd, slot, take=True)
             except OSError:
                 return False
             self._mine.add(slot)
@@ -199,16 +221,33 @@ class SlotLocks:
         if slot in self._mine:
             self._mine.discard(slot)
             with contextlib.suppress(OSError):
-                fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
+                _range_lock(self._fd, slot, take=False)
 
     def gone(self, slot: int) -> bool:
         """Whether nobody holds ``slot``'s lock (its owner exited, or never took one)."""
         if slot in self._mine:
             return False
         try:
-            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+            _range_lock(self._fd, slot, take=True)
         except OSError:
             return False
         with contextlib.suppress(OSError):
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, slot)
+            _range_lock(self._fd, slot, take=False)
         return True
+
+
+#: This process's :class:`SlotLocks`, by descriptor (each open for the process's whole life).
+_slot_files: dict[int, SlotLocks] = {}
+
+
+def _forget_inherited() -> None:
+    """In a forked child: the parent's locks stay the parent's. Its descriptors are closed here (an
+    inherited object is left unusable: no lock to take or test); the child opens its own."""
+    for fd, locks in list(_slot_files.items()):
+        locks._fd, locks._mine = -1, set()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _slot_files.clear()
+
+
+_process.at_fork(after_in_child=_forget_inherited)

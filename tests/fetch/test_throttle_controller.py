@@ -8,8 +8,10 @@ the controller's own clock values passed in, so nothing here depends on the mach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -143,6 +145,62 @@ def test_a_dead_owner_is_swept_and_a_live_one_kept(tmp_path: Path) -> None:
         child.communicate(timeout=30)
     Limit(table, key_id("z"))
     assert child.pid not in _pids(table) and os.getpid() in _pids(table)
+
+
+def test_an_owner_that_opens_the_owners_file_itself_stays_the_owner(tmp_path: Path) -> None:
+    """Another part of an owner's process reading the node's files (a scan, a backup) closes a
+    descriptor of the owners' lock file: its slot stays held, and a sweeper keeps it. (A process's
+    POSIX record locks would all have been dropped by that close.)"""
+    path = str(tmp_path / "throttle.bin")
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"from blobdata._fetch.throttle import *; import sys, time; "
+         f"Limit(Table({path!r}), key_id('x')); open({path!r} + '.owners', 'rb').read(); "
+         f"print('ok', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ok"
+        table = Table(path)
+        Limit(table, key_id("y"))  # joining sweeps every owner: the child lives
+        assert child.pid in _pids(table)
+    finally:
+        child.kill()
+        child.communicate(timeout=30)
+    Limit(table, key_id("z"))
+    assert child.pid not in _pids(table)
+
+
+def test_a_dead_owners_forked_child_does_not_keep_its_slot(tmp_path: Path) -> None:
+    """An owner killed while a child it forked lives on (a DataLoader worker that has not noticed yet):
+    the child does not hold the owner's slot, which the next sweeper clears."""
+    path = str(tmp_path / "throttle.bin")
+    owner = subprocess.Popen(
+        [sys.executable, "-c", f"from blobdata._fetch.throttle import *; import os, sys, time; "
+         f"Limit(Table({path!r}), key_id('x')); pid = os.fork()\n"
+         f"if pid == 0:\n    time.sleep(60); os._exit(0)\n"
+         f"print(pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    forked = 0
+    try:
+        assert owner.stdout is not None
+        forked = int(owner.stdout.readline())
+        table = Table(path)
+        Limit(table, key_id("y"))
+        assert owner.pid in _pids(table)
+        owner.kill()
+        owner.wait(30)  # not communicate(): the forked child holds the pipe open
+        assert _owners.alive(forked)
+        Limit(table, key_id("z"))  # joining sweeps every owner: the killed one is gone
+        assert owner.pid not in _pids(table)
+    finally:
+        owner.kill()
+        owner.wait(30)
+        if forked:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(forked, signal.SIGKILL)
+        assert owner.stdout is not None
+        owner.stdout.close()
 
 
 def test_a_reused_pid_is_not_the_owner() -> None:
