@@ -12,6 +12,9 @@
 #            CPU decode, bucket cold and warm): trainer on CPUs 0-11, SeaweedFS and the proxy on 12-15
 #   latency  bench_latency.py at 8 and 16 workers on CPUs 0-7, server on 8-15, 12,000 images (#12)
 #   cache    bench_cached_path.py at 1-16 workers and bench_cache_procs.py at P = 1..32 (#12)
+#   peers    bench_peers.py, 4 nodes against PartitionedSampler, each node's processes with cores of
+#            their own (#44: on 2 shared cores the nodes compete for the CPU): flat out, a 40 ms step,
+#            a 40 ms step with persistent workers; bytes only, 4,800 objects, 4 epochs
 #   check    only the set-up and the imports (seconds): run it first if the machine's image changed
 #
 # .carry holds what the machine lacks: SeaweedFS's `weed` (xz), botocore pruned to the services blobdata
@@ -131,8 +134,22 @@ cache)
         run cache-procs 240 python3 benchmarks/bench_cache_procs.py
     fi
     ;;
+peers)
+    setup_device
+    if [[ -n "$smoke" ]]; then
+        run peers 240 python3 benchmarks/bench_peers.py --nodes 2 --objects 64 --epochs 2 --batch-size 8 \
+            --workers 1 --no-decode --jobs peers,partitioned --json "$RESULTS/peers.json"
+    else
+        common=(--no-decode --objects 4800 --epochs 4 --jobs peers,partitioned)
+        run peers-flat 170 python3 benchmarks/bench_peers.py "${common[@]}" --json "$RESULTS/peers-flat.json"
+        run peers-step 170 python3 benchmarks/bench_peers.py "${common[@]}" --step-ms 40 \
+            --json "$RESULTS/peers-step.json"
+        run peers-step-persistent 170 python3 benchmarks/bench_peers.py "${common[@]}" --step-ms 40 \
+            --persistent-workers --json "$RESULTS/peers-step-persistent.json"
+    fi
+    ;;
 *)
-    sed -n '2,22p' "$0" >&2
+    sed -n '2,25p' "$0" >&2
     exit 2
     ;;
 esac
