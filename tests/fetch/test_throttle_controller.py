@@ -128,36 +128,23 @@ def _pids(table: Table) -> set[int]:
     return {int(table.v[o + O_PID]) for o in range(_OWNERS0, _OWNERS0 + OWNERS * O_FIELDS, O_FIELDS)}
 
 
-def test_a_dead_owner_is_swept_and_a_live_one_kept(tmp_path: Path) -> None:
-    path = str(tmp_path / "throttle.bin")
-    child = subprocess.Popen(
-        [sys.executable, "-c", f"from blobdata._fetch.throttle import *; import sys, time; "
-         f"Limit(Table({path!r}), key_id('x')); print('ok', flush=True); time.sleep(60)"],
+def _owner(path: str, then: str) -> subprocess.Popen[str]:
+    """A process that joins the table at ``path`` as an owner, then runs ``then`` (Python)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", f"from blobdata._fetch.throttle import *; import os, sys, time\n"
+         f"Limit(Table({path!r}), key_id('x'))\n{then}"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ok"
-        table = Table(path)
-        Limit(table, key_id("y"))  # joining sweeps; the child lives
-        assert child.pid in _pids(table)
-    finally:
-        child.kill()
-        child.communicate(timeout=30)
-    Limit(table, key_id("z"))
-    assert child.pid not in _pids(table) and os.getpid() in _pids(table)
 
 
-def test_an_owner_that_opens_the_owners_file_itself_stays_the_owner(tmp_path: Path) -> None:
-    """Another part of an owner's process reading the node's files (a scan, a backup) closes a
-    descriptor of the owners' lock file: its slot stays held, and a sweeper keeps it. (A process's
-    POSIX record locks would all have been dropped by that close.)"""
+@pytest.mark.parametrize("reads_its_file", [False, True], ids=["plain", "reading-the-owners-file"])
+def test_a_dead_owner_is_swept_and_a_live_one_kept(tmp_path: Path, reads_its_file: bool) -> None:
+    """An owner is kept while it lives and swept once it is gone; also an owner another part of whose
+    process read the node's files (a scan, a backup), closing a descriptor of the owners' lock file
+    (that close would have dropped every POSIX record lock the process held on it)."""
     path = str(tmp_path / "throttle.bin")
-    child = subprocess.Popen(
-        [sys.executable, "-c", f"from blobdata._fetch.throttle import *; import sys, time; "
-         f"Limit(Table({path!r}), key_id('x')); open({path!r} + '.owners', 'rb').read(); "
-         f"print('ok', flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    scan = f"open({path!r} + '.owners', 'rb').read()\n" if reads_its_file else ""
+    child = _owner(path, scan + "print('ok', flush=True); time.sleep(60)")
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "ok"
         table = Table(path)
@@ -167,20 +154,15 @@ def test_an_owner_that_opens_the_owners_file_itself_stays_the_owner(tmp_path: Pa
         child.kill()
         child.communicate(timeout=30)
     Limit(table, key_id("z"))
-    assert child.pid not in _pids(table)
+    assert child.pid not in _pids(table) and os.getpid() in _pids(table)
 
 
 def test_a_dead_owners_forked_child_does_not_keep_its_slot(tmp_path: Path) -> None:
     """An owner killed while a child it forked lives on (a DataLoader worker that has not noticed yet):
     the child does not hold the owner's slot, which the next sweeper clears."""
     path = str(tmp_path / "throttle.bin")
-    owner = subprocess.Popen(
-        [sys.executable, "-c", f"from blobdata._fetch.throttle import *; import os, sys, time; "
-         f"Limit(Table({path!r}), key_id('x')); pid = os.fork()\n"
-         f"if pid == 0:\n    time.sleep(60); os._exit(0)\n"
-         f"print(pid, flush=True); time.sleep(60)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    owner = _owner(path, "pid = os.fork()\nif pid == 0:\n    time.sleep(60); os._exit(0)\n"
+                         "print(pid, flush=True); time.sleep(60)")  # fmt: skip
     forked = 0
     try:
         assert owner.stdout is not None
