@@ -310,7 +310,7 @@ secret = bytes.fromhex(sys.argv[1])
 print("scanned")
 for place in sys.argv[2:]:
     for path in pathlib.Path(place).rglob("*"):
-        if path.is_file() and not path.is_symlink():
+        if path.is_file():
             data = path.read_bytes()
             if secret in data or secret.hex().encode() in data:
                 print("secret in", path)
