@@ -294,9 +294,9 @@ def test_another_user_of_the_node_can_neither_ask_nor_find_the_secret(served: Se
     as_other_user(other)
     assert _gets(served.proxy) == 0
     # Nothing the service keeps on disk holds the secret (the node's directory, the cache). Read by a
-    # child process: this one holds POSIX locks on a file there (its throttle table's owner entries),
-    # which the kernel drops when the process closes any descriptor of that file; a dead owner in a
-    # slot this process then wrongly believes its own would never be swept.
+    # child process: this one holds locks on a file there (its throttle table's owner entries), and
+    # where they are POSIX record locks (no OFD locks: not Linux), closing any descriptor of that file
+    # drops them all; a dead owner in a slot this process then believed its own would stay unswept.
     found = subprocess.run(
         [sys.executable, "-c", _SCAN, SECRET.hex(), os.environ["BLOBDATA_NODE_DIR"], str(tmp_path)],
         capture_output=True, text=True, timeout=60, check=True,
