@@ -15,6 +15,8 @@ epoch yields only the samples not yet read, batched at this loader's batch size.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import multiprocessing
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,7 +30,19 @@ from .._metrics import LoaderStats, LoopClock, Records, SkipLog, TimedCollate, T
 from .._sampling import NextEpoch, Progress, loader_seed, own_generator, run_identity
 from ..gpu._pipeline import DevicePipeline, collate_raw
 
-__all__ = ["BlobLoader"]
+__all__ = ["RESULT_PIPE_BYTES", "BlobLoader"]
+
+#: The capacity the pipe that carries the workers' batches to the training process is given (Linux's
+#: default is 64 KiB). A batch that is not tensors (bytes, arrays, strings: what a collate_fn that does
+#: not make tensors returns) is pickled through that pipe, and at 64 KiB a batch of 1 MB crosses it in
+#: 16 turns, each of which wakes the worker's writing thread and the training process's reading thread
+#: and waits for their processes' GILs: half of a batch's cost unhindered, and 7x it when another thread
+#: of the training process runs Python (``benchmarks/bench_batch_pipe.py``). Tensors cross in shared
+#: memory (a handle through the pipe): no change. The kernel holds the pages only while a batch is in
+#: the pipe; they count toward the user's pipe allowance (``/proc/sys/fs/pipe-user-pages-soft``, 64 MiB
+#: by default), one per live iterator. Where the kernel refuses (that allowance used up, a
+#: ``pipe-max-size`` below this), the pipe keeps its size.
+RESULT_PIPE_BYTES = 2**20
 
 
 class BlobLoader(torch.utils.data.DataLoader[Any]):
@@ -197,6 +211,11 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
 
         return TimedIter(device_batches, self._clock, self._records)
 
+    def _get_iterator(self) -> Any:
+        iterator = super()._get_iterator()
+        widen_result_pipe(iterator)
+        return iterator
+
     def _before_workers_start(self) -> None:
         """New workers are about to be forked (each epoch without persistent workers): first let this
         process's own threads finish what blobdata gave them, the next epoch's prediction (torch) and
@@ -285,6 +304,20 @@ class BlobLoader(torch.utils.data.DataLoader[Any]):
         self.progress.load_state_dict(state, strict=strict)
         if self.device_pipeline is not None and self.progress.seed is not None:
             self.device_pipeline.seed = self.progress.seed
+
+
+def widen_result_pipe(iterator: Any, size: int = RESULT_PIPE_BYTES) -> None:
+    """Give the pipe through which ``iterator``'s workers send their batches (a DataLoader's
+    multiprocessing iterator; other iterators have none) a capacity of ``size`` bytes, where the
+    kernel allows it: see :data:`RESULT_PIPE_BYTES`. Two system calls per iterator, none per batch."""
+    reader = getattr(getattr(iterator, "_worker_result_queue", None), "_reader", None)
+    get_size, set_size = getattr(fcntl, "F_GETPIPE_SZ", None), getattr(fcntl, "F_SETPIPE_SZ", None)
+    if reader is None or set_size is None or get_size is None:  # not Linux: the pipe keeps its size
+        return
+    with contextlib.suppress(OSError, ValueError):  # EPERM: the user's allowance, pipe-max-size
+        fd = reader.fileno()
+        if fcntl.fcntl(fd, get_size) < size:
+            fcntl.fcntl(fd, set_size, size)
 
 
 def _present(batches: Iterator[Any]) -> Iterator[Any]:

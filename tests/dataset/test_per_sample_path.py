@@ -147,3 +147,71 @@ def test_held_marks_are_one_bit_per_sample() -> None:
     assert held.unknown(list(range(21))) == [i for i in range(21) if i not in (0, 7, 8, 20)]
     held.mark([7, 1], [False, True])  # a miss clears only its own bit
     assert held.unknown([0, 1, 7, 8]) == [7]
+
+
+def _wide_pipes() -> int:
+    """This process's pipes of at least the capacity blobdata's loader gives its workers' results."""
+    import fcntl
+    import os
+    import stat
+
+    from blobdata._dataset.loader import RESULT_PIPE_BYTES
+
+    pipes = set()  # by inode: both ends of a pipe may be open here
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            st = os.fstat(fd)
+            if stat.S_ISFIFO(st.st_mode) and fcntl.fcntl(fd, fcntl.F_GETPIPE_SZ) >= RESULT_PIPE_BYTES:
+                pipes.add(st.st_ino)
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+    return len(pipes)
+
+
+def _read_bytes(f: Any) -> bytes:
+    return bytes(f.read())
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_workers_batches_cross_a_pipe_as_wide_as_a_batch(tmp_path: Path, persistent: bool) -> None:
+    """A batch that is not tensors (here lists of bytes: 64 x 3 KB) is pickled through the pipe from a
+    worker to the training process; at the kernel's 64 KiB it crosses in turns that each wait for both
+    processes (benchmarks/bench_batch_pipe.py). blobdata's loader widens that pipe, every epoch's
+    iterator and persistent workers' alike; a plain DataLoader over the same dataset does not."""
+    ds = FolderDataset(_folder(tmp_path / "d"), loader=_read_bytes)
+    before = _wide_pipes()
+    plain = torch.utils.data.DataLoader(ds, batch_size=BATCH, num_workers=2, collate_fn=list)
+    seen = [_wide_pipes() - before for _ in plain]
+    assert seen and not any(seen)  # the control: the kernel's default is narrower
+    loader = ds.dataloader(batch_size=BATCH, num_workers=2, collate_fn=list, persistent_workers=persistent)
+    for _ in range(2):  # a new iterator (new workers, a new pipe) in the second epoch unless persistent
+        got = []
+        for batch in loader:
+            got.append(len(batch))
+            assert _wide_pipes() - before == 1
+        assert got == [BATCH] * (N // BATCH)
+
+
+@pytest.mark.timeout(120)
+def test_bench_batch_pipe_runs_small(tmp_path: Path) -> None:
+    """benchmarks/bench_batch_pipe.py end to end at a small size: every kind and setting timed with
+    both pipes, each time a positive number of milliseconds per batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "benchmarks/bench_batch_pipe.py", "--batches", "4", "--rounds", "1"]
+    cmd += ["--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "widened / plain" in done.stdout
+    results = json.loads(out.read_text())["results"]
+    assert {(r["kind"], r["setting"]) for r in results} == {
+        (k, s) for k in ("bytes", "numpy", "tensor") for s in ("quiet", "busy")
+    }
+    assert all(r["plain_ms"] > 0 and r["widened_ms"] > 0 for r in results)
