@@ -32,7 +32,10 @@ __all__ = ["IN_FLIGHT", "HandOver", "KeyedBatch", "LookAhead", "PlanningBatchSam
 
 #: How long before an epoch's last batch is dealt the next epoch's first batches are handed over to
 #: be fetched for workers that do not outlive the epoch: time for new connections and a few round
-#: trips, while holding the bytes for as little of the epoch as that allows.
+#: trips, while holding the bytes for as little of the epoch as that allows. Never before half of the
+#: epoch's batches are dealt: in an epoch shorter than twice this, the pace measured at its start
+#: (the first batches dealt at once) handed over at once, and those fetches joined the epoch's own
+#: first ones, which every process of the node (and with peers, of the job) makes at that moment.
 HAND_OVER_LEAD_S = 2.0
 
 
@@ -157,11 +160,12 @@ class PlanningBatchSampler:
         self, batches: Iterator[list[int]], n: int, upcoming: Predicted, hand_over: HandOver
     ) -> Iterator[list[int]]:
         """Yield ``batches`` (``n`` of them); about :data:`HAND_OVER_LEAD_S` before the last is dealt (at
-        the pace dealt so far), give ``hand_over`` the next epoch's batches, once predicted."""
+        the pace dealt so far), and once half of them are, give ``hand_over`` the next epoch's
+        batches, once predicted."""
         start, handed = time.perf_counter(), False
         for k, batch in enumerate(batches):
             yield batch
-            if handed or not upcoming.done.is_set() or upcoming.batches is None:
+            if handed or 2 * (k + 1) < n or not upcoming.done.is_set() or upcoming.batches is None:
                 continue
             if (n - k - 1) * (time.perf_counter() - start) / (k + 1) <= HAND_OVER_LEAD_S:
                 handed = True
