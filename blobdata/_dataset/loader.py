@@ -40,7 +40,7 @@ __all__ = ["RESULT_PIPE_BYTES", "BlobLoader"]
 #: of the training process runs Python (``benchmarks/bench_batch_pipe.py``). Tensors cross in shared
 #: memory (a handle through the pipe): no change. The kernel holds the pages only while a batch is in
 #: the pipe; they count toward the user's pipe allowance (``/proc/sys/fs/pipe-user-pages-soft``, 64 MiB
-#: by default), one per live iterator. Where the kernel refuses (that allowance used up, a
+#: by default) as 1 MiB per live iterator. Where the kernel refuses (that allowance used up, a
 #: ``pipe-max-size`` below this), the pipe keeps its size.
 RESULT_PIPE_BYTES = 2**20
 
