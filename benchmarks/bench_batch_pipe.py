@@ -23,7 +23,9 @@ in milliseconds per batch, with the ratio widened / plain.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import os
 import statistics
 import threading
 import time
@@ -66,6 +68,16 @@ class _Widened(torch.utils.data.DataLoader[Any]):
         iterator = super()._get_iterator()
         widen_result_pipe(iterator)
         return iterator
+
+
+def _default_pipe_bytes() -> int:
+    """The capacity this kernel gives a new pipe (what ``plain`` runs with)."""
+    r, w = os.pipe()
+    try:
+        return int(fcntl.fcntl(r, fcntl.F_GETPIPE_SZ))
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def _stack(batch: list[Any]) -> Any:
@@ -127,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_kb = args.batch * args.size / 1000
     print(
         f"{args.batches} batches of {args.batch} x {args.size} bytes ({batch_kb:.0f} KB), {args.workers} "
-        f"workers, median of {args.rounds} rounds; the pipe: {64} KiB (plain) or "
+        f"workers, median of {args.rounds} rounds; the pipe: {_default_pipe_bytes() // 1024} KiB (plain) or "
         f"{RESULT_PIPE_BYTES // 1024} KiB (widened), ms per batch"
     )
     rows, out = [], []

@@ -7,8 +7,14 @@ syscall, a task on the loop) whatever the box."""
 from __future__ import annotations
 
 import cProfile
+import fcntl
 import gc
+import json
+import os
 import pstats
+import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +22,7 @@ import pytest
 import torch
 
 from blobdata import FolderDataset
+from blobdata._dataset.loader import RESULT_PIPE_BYTES
 from blobdata._loop import run
 
 N = 256
@@ -152,12 +159,6 @@ def test_held_marks_are_one_bit_per_sample() -> None:
 def _wide_pipes() -> set[int]:
     """This process's pipes (by inode: both ends of one may be open here) of at least the capacity
     blobdata's loader gives its workers' results."""
-    import fcntl
-    import os
-    import stat
-
-    from blobdata._dataset.loader import RESULT_PIPE_BYTES
-
     pipes = set()
     for name in os.listdir("/proc/self/fd"):
         try:
@@ -205,11 +206,6 @@ def test_workers_batches_cross_a_pipe_as_wide_as_a_batch(tmp_path: Path, persist
 def test_bench_batch_pipe_runs_small(tmp_path: Path) -> None:
     """benchmarks/bench_batch_pipe.py end to end at a small size: every kind and setting timed with
     both pipes, each time a positive number of milliseconds per batch."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out.json"
     cmd = [sys.executable, "benchmarks/bench_batch_pipe.py", "--batches", "4", "--rounds", "1"]
