@@ -8,6 +8,7 @@ import datetime
 import os
 import pickle
 import time
+import types
 import urllib.parse
 import warnings
 from typing import Any
@@ -144,12 +145,26 @@ def test_signer_cache_follows_rotated_secret_and_new_day(monkeypatch: pytest.Mon
         assert ours["Authorization"] == request.headers["Authorization"]
 
 
-def test_signer_default_date_is_now() -> None:
+def test_signer_default_date_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request is stamped with the wall clock's current second (``time.time()``), and the next second
+    gives the next stamp (the signer keeps one per second). The clock is the signer module's, set here:
+    comparing with the machine's clock read before and after signing failed once in CI, the stamp a
+    second before the first read."""
+    from blobdata._stores.s3 import sigv4
+
+    now = [1_700_000_000.7]
+    clock = types.SimpleNamespace(time=lambda: now[0], strftime=time.strftime, gmtime=time.gmtime)
+    monkeypatch.setattr(sigv4, "time", clock)
     signer = SigV4Signer()
-    before = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    stamp = signer.sign("GET", "h", "/b/k", {}, Credentials("AKID", "s", None), "us-east-1")["x-amz-date"]
-    after = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    assert before <= stamp <= after
+
+    def stamp() -> str:
+        return signer.sign("GET", "h", "/b/k", {}, Credentials("AKID", "s", None), "us-east-1")["x-amz-date"]
+
+    assert stamp() == "20231114T221320Z"
+    now[0] += 0.2  # the same second
+    assert stamp() == "20231114T221320Z"
+    now[0] += 1.0
+    assert stamp() == "20231114T221321Z"
 
 
 def test_quote_key_rules() -> None:
