@@ -12,7 +12,9 @@ that counts its GETs. Three jobs, each with fresh caches:
 - ``peers``: ``ElasticDistributedSampler`` (a global shuffle: each epoch, each node reads a fresh random
   quarter of the dataset) with ``peers=Peers(...)``;
 - ``global``: the same sampler without peers (each node's cache holds the first quarter it read);
-- ``partitioned``: ``PartitionedSampler`` (each node reads its own share every epoch), no peers.
+- ``partitioned``: ``PartitionedSampler`` (each node reads its own share every epoch), no peers;
+- ``peers-thread`` (only where ``--jobs`` names it): as ``peers``, with each node's service in a thread
+  of its training process (``Peers(service_process=False)``) instead of a process of its own.
 
 Every node waits for the others at the start of each epoch (a barrier in the store, through which this
 script reads the proxy's count of GETs between epochs); an epoch's time is its slowest node's, its CPU
@@ -57,6 +59,9 @@ from common import REPO, add_repo_to_path, table
 add_repo_to_path()
 
 JOBS = ("peers", "global", "partitioned")
+#: The jobs with peers: the node's service in a process of its own (the default), or in a thread of
+#: the node's training process (``Peers(service_process=False)``; not run unless ``--jobs`` names it).
+_PEERS = ("peers", "peers-thread")
 #: Per node and epoch: when iter() returned, the first batch was made in a worker, the loop had it.
 _FIRST = ("first_iter_s", "first_made_s", "first_had_s")
 
@@ -77,10 +82,11 @@ def _cpu_s() -> float:
     its live ones (persistent workers)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     live = 0
-    try:
-        children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()
-    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: live workers' CPU is not counted
-        children = []
+    children = []
+    # Every thread's children: the peer service's process is started from the event loop's thread.
+    for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
+        with contextlib.suppress(OSError):  # no CONFIG_PROC_CHILDREN, or a thread that just ended
+            children += task.read_text().split()
     for child in children:
         with contextlib.suppress(OSError, IndexError, ValueError):  # it may have just exited
             fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
@@ -105,10 +111,11 @@ def node_main(spec_path: str) -> int:
     store = dist.TCPStore("127.0.0.1", spec["store_port"], is_master=False)
     job, rank, n = spec["job"], spec["rank"], spec["nodes"]
     peers = None
-    if job == "peers":
+    if job in _PEERS:
         peers = Peers(
             store=store, nnodes=n, node_rank=rank, host=spec["host"], port=spec["port"],
             advertise=spec["advertise"], job=spec["run"], timeout=120, per_peer=spec["per_peer"],
+            service_process=job == "peers",
         )  # fmt: skip
     cache = BlobCache(spec["cache"], size_limit=spec["cache_bytes"])
     decode = spec["decode"]
@@ -187,7 +194,7 @@ def _run_job(
         host = f"127.0.0.{2 + rank}"
         port = find_free_port()
         advertise = None
-        if job == "peers" and args.peer_rtt_ms > 0:
+        if job in _PEERS and args.peer_rtt_ms > 0:
             p = LatencyProxy(host, port, delay_s=args.peer_rtt_ms / 2000.0, count_requests=False).start()
             peer_proxies.append(p)
             advertise = f"127.0.0.1:{p.port}"
@@ -391,20 +398,17 @@ def main(argv: list[str] | None = None) -> int:
     def later(job: str, key: str) -> float:
         return sum(ep[key] for ep in by[job]["epochs"][1:])
 
-    if "peers" in by and args.epochs > 1:
+    if args.epochs > 1:
         later_samples = n * (args.epochs - 1)
-        line = f"from epoch 2 on: bucket GETs / samples: peers {later('peers', 'gets') / later_samples:.1%}"
-        for other in ("global", "partitioned"):
-            if other in by:
-                line += f", {other} {later(other, 'gets') / later_samples:.1%}"
-        print(line)
-        for other in ("global", "partitioned"):
-            if other in by:
-                ratio = later("peers", "seconds") / later(other, "seconds")
-                cpu = later("peers", "cpu_s") / later(other, "cpu_s")
-                both = (later("peers", "cpu_s") + later("peers", "driver_cpu_s")) / (
+        print("from epoch 2 on: bucket GETs / samples: " + ", ".join(
+            f"{job} {later(job, 'gets') / later_samples:.1%}" for job in by))  # fmt: skip
+        for job in (j for j in _PEERS if j in by):
+            for other in (j for j in by if j != job and j not in ("peers",)):
+                ratio = later(job, "seconds") / later(other, "seconds")
+                cpu = later(job, "cpu_s") / later(other, "cpu_s")
+                both = (later(job, "cpu_s") + later(job, "driver_cpu_s")) / (
                     later(other, "cpu_s") + later(other, "driver_cpu_s"))  # fmt: skip
-                print(f"from epoch 2 on, peers / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f} "
+                print(f"from epoch 2 on, {job} / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f} "
                       f"(with the proxies' {both:.2f})")  # fmt: skip
     if args.epochs > 1:
         print(_waits_line(results))

@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "_tables": {"_fetch", "_stores"},
     "_listing": {"_fetch", "_metrics", "_node", "_stores", "_tables"},
     "_sampling": {"_listing"},
-    "_peers": {"_cache", "_listing", "_metrics", "_node", "_stores"},
+    "_peers": {"_cache", "_fetch", "_listing", "_metrics", "_node", "_stores"},
     "transforms": {"_decode", "_sampling"},
     "gpu": {"_metrics", "_decode", "_sampling", "transforms"},
     "testing": {"gpu", "transforms", "_decode"},

@@ -12,7 +12,7 @@ from typing import Any
 from .._cache import BlobCache
 from .._errors import ConfigError
 from .._metrics import stats as _stats
-from .._peers import PeerClient, Peers, PeerTable, join, peers_setting, serve
+from .._peers import EngineSpec, PeerClient, Peers, PeerTable, join, peers_setting, serve
 from .._url import printable
 from .reads import Objects, ProcessState
 
@@ -38,7 +38,8 @@ def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> 
         return None
     table = join(setting)
     if table is not None:
-        serve(table, ds._url, cache, ds, serve_peer)
+        engine = EngineSpec(ds.fetch_options, ds._protocol, ds._storage_options)
+        serve(table, ds._url, cache, ds, serve_peer, engine)
     return table
 
 

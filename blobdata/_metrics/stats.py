@@ -36,7 +36,8 @@ from .. import _process
 
 __all__ = [
     "Slots", "TimedCollate", "Records", "attach", "combined", "count_for", "counting_for", "for_next_epoch",
-    "next_epoch", "note_inflight", "note_peer", "note_rate_limit", "note_throttled", "rec",
+    "count_in", "next_epoch", "note_inflight", "note_peer", "note_rate_limit", "note_throttled", "rec",
+    "shared_record",
 ]  # fmt: skip
 
 log = logging.getLogger("blobdata")
@@ -163,13 +164,20 @@ _sources: dict[int, _Record] = {}  # a mixture's sources' records in this proces
 _inflight = [0.0, 0.0]
 
 
+#: Records that processes working for this one count into (its node's peer service, in a process of
+#: its own): a loader made here adds what they counted while it lived (:class:`Records`).
+_shared: list[Slots] = []
+
+
 def _forget_in_child() -> None:
     # A forked child starts from zero and never writes into its parent's record.
     global _rec
     _process.orphan(_rec)
     _process.orphan(list(_sources.values()))
+    _process.orphan(list(_shared))
     _rec = _Record()
     _sources.clear()
+    _shared.clear()
     _inflight[:] = [0.0, 0.0]
 
 
@@ -226,6 +234,41 @@ def attach(directory: str) -> None:
     r.v, r.directory = v, directory
 
 
+def shared_record() -> tuple[int, Slots | None]:
+    """A new record in anonymous shared memory, for a process this one starts to count into
+    (:func:`count_in`, the descriptor passed to it): its descriptor (the caller closes it once passed)
+    and its mapping here, which the loaders made from now on add to their sums. ``(-1, None)`` where no
+    such memory can be made (not Linux): that process's counts are then its own."""
+    try:
+        fd = os.memfd_create("blobdata-stats", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return -1, None
+    try:
+        os.ftruncate(fd, SIZE * 8)
+        mm = mmap.mmap(fd, SIZE * 8)
+    except OSError:
+        os.close(fd)
+        return -1, None
+    v = cast(Slots, memoryview(mm).cast("d"))
+    v[0], v[1] = _MAGIC, float(SIZE)
+    _shared.append(v)
+    return fd, v
+
+
+def count_in(fd: int) -> None:
+    """Count this process's work into the record of descriptor ``fd`` (:func:`shared_record`, made by
+    the process that started this one), checked to be one; else counts stay private."""
+    try:
+        mm = mmap.mmap(fd, SIZE * 8)
+    except (OSError, ValueError):
+        return
+    finally:
+        os.close(fd)
+    v = cast(Slots, memoryview(mm).cast("d"))
+    if v[0] == _MAGIC and v[1] == SIZE:
+        _rec.v = v
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -246,6 +289,9 @@ class Records:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._retired: dict[int, np.ndarray] = {}  # by source (-1: the main records)
+        #: What the shared records (:func:`shared_record`) held when this loader was made, by id: the
+        #: loader counts their work from then on.
+        self._shared_from = {id(v): np.array(v, dtype=np.float64) for v in _shared}
 
     def total(self) -> np.ndarray:
         """The sum of every valid record, those of exited processes included (a mixture's sources'
@@ -291,7 +337,15 @@ class Records:
                     continue
                 _add(self._retired.setdefault(k, np.zeros(SIZE, dtype=np.float64)), arr)
         main = sums.pop(-1, None)
-        return (main if main is not None else np.zeros(SIZE, dtype=np.float64)), sums
+        if main is None:
+            main = np.zeros(SIZE, dtype=np.float64)
+        for v in _shared:  # counted for this process by the ones it started, since this loader was made
+            now = np.array(v, dtype=np.float64)
+            was = self._shared_from.setdefault(id(v), np.zeros(SIZE, dtype=np.float64))
+            since = now - was
+            since[list(_GAUGES)] = now[list(_GAUGES)]
+            _add(main, since)
+        return main, sums
 
 
 def combined(main: np.ndarray, sources: dict[int, np.ndarray]) -> np.ndarray:

@@ -11,6 +11,7 @@ module             its one job
 ``auth``           requests signed under the job's secret (HMAC), replays refused; answers signed
 ``server``         the service's HTTP/1.1 server: GET only, bounded heads, one request at a time
 ``service``        what the service answers: its home objects, from the cache or read once from the bucket
+``daemon``         the service in a process of its own (``python -m blobdata._peers``), told what to serve
 ``client``         the asking side: deadlines from observed latency, hedged bucket reads, answers checked
 =================  ==========================================================================
 
@@ -22,12 +23,15 @@ from __future__ import annotations
 from .auth import Refused, Signer, Verifier, job_id
 from .client import PeerClient
 from .config import PEERS_LOOKAHEAD, Peers, PeerTable, peers_setting
+from .daemon import EngineSpec, ServiceProcess
 from .homes import Homes
 from .rendezvous import join, serve, service_of
 from .service import PATH, Service
 
 __all__ = [
     "PATH",
+    "EngineSpec",
+    "ServiceProcess",
     "PEERS_LOOKAHEAD",
     "Homes",
     "PeerClient",

@@ -38,7 +38,7 @@ from .auth import Signer, answer_signature
 from .config import PeerTable
 from .homes import Homes
 from .rendezvous import service_of
-from .service import MAX_OBJECTS, MAX_TARGET, PATH, crc_text
+from .service import MAX_OBJECTS, MAX_TARGET, PATH, Service, crc_text
 
 __all__ = ["HEDGE_MAX_S", "HEDGE_MIN_S", "HEDGE_SHARE", "PeerClient"]
 
@@ -164,7 +164,7 @@ class PeerClient:
         many of the node's processes and peers want it at the same time."""
         if home == self.me:
             service = service_of(self.table)
-            if service is not None:  # this process runs the node's service: no request to itself
+            if isinstance(service, Service):  # this process runs the node's service: no request to itself
                 data = await service.local(url, identity, size)
                 return (data if data is not None else (await bucket())[0]), False
         peer = self._peers[home]

@@ -38,7 +38,11 @@ class Peers:
                     (a NAT, a port mapping, a proxy); default: ``host`` and the port it listens on.
     node_name:      the name homes are computed from (default: ``host``): it must stay the same for a
                     node across restarts of the job, so that a node's cache keeps serving.
-    serves:         whether this process runs the node's service (default: the node's local rank 0).
+    serves:         whether this process starts the node's service (default: the node's local rank 0).
+    service_process: whether the service runs in a process of its own (default True: its work never
+                    takes the training process's GIL, which its batches wait for), or on the serving
+                    process's own loop (False: where a process cannot be started, or storage options
+                    cannot be sent to one).
     job:            what tells this job's meeting from another's in the store (default: torchrun's run
                     id and restart count).
     per_peer:       objects a process has in flight to one peer at most (default 16); the reads it
@@ -59,6 +63,7 @@ class Peers:
     job: str | None = None
     per_peer: int = 16
     timeout: float = 600.0
+    service_process: bool = True
 
     def __init__(
         self,
@@ -74,6 +79,7 @@ class Peers:
         job: str | None = None,
         per_peer: int = 16,
         timeout: float | str = 600.0,
+        service_process: bool = True,
     ) -> None:
         for name, value, low in (
             ("nnodes", nnodes, 1),
@@ -82,6 +88,11 @@ class Peers:
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"Peers({name}=) must be an integer of at least {low}, got {value!r}")
+        for name, flag in (("serves", serves), ("service_process", service_process)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ConfigError(f"Peers({name}=) must be True or False, got {flag!r}")
+        if service_process is None:
+            raise ConfigError("Peers(service_process=) must be True or False, got None")
         if nnodes is not None and node_rank is not None and node_rank >= nnodes:
             raise ConfigError(f"Peers(node_rank={node_rank}) must be below nnodes={nnodes}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
@@ -93,7 +104,7 @@ class Peers:
         values = {
             "store": store, "nnodes": nnodes, "node_rank": node_rank, "host": host, "port": port,
             "advertise": advertise, "node_name": node_name, "serves": serves, "job": job,
-            "per_peer": per_peer,
+            "per_peer": per_peer, "service_process": service_process,
             "timeout": parse_duration(timeout, name="Peers(timeout=)"),
         }  # fmt: skip
         for name, value in values.items():

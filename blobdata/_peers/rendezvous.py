@@ -18,10 +18,10 @@ names). The service also leaves a note of itself in the node's directory (``peer
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import json
-import os
 import re
 import secrets
 import socket
@@ -33,8 +33,8 @@ from .._config import env
 from .._errors import ConfigError
 from .._listing import dist_info
 from .._loop import run
-from .._node import make_locked_dir, write_own
 from .config import Peers, PeerTable
+from .daemon import EngineSpec, ServiceProcess, address_of, leave_note, start
 from .homes import Homes
 from .service import Fetch, Service
 
@@ -45,7 +45,7 @@ _ADDRESS = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})")
 
 #: This process's meetings (job key -> table) and services (job id -> service); a forked child has none.
 _joined: _process.PerProcess[dict[tuple[str, int], PeerTable]] = _process.PerProcess(dict)
-_services: _process.PerProcess[dict[bytes, Service]] = _process.PerProcess(dict)
+_services: _process.PerProcess[dict[bytes, Service | ServiceProcess]] = _process.PerProcess(dict)
 
 
 def _job_key(config: Peers) -> str:
@@ -99,10 +99,6 @@ def _get(store: Any, key: str, timeout: float, what: str) -> bytes:
     return data
 
 
-def _address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def join(config: Peers) -> PeerTable | None:
     """This process's place among the job's peers (None for a job of one node); see the module docstring."""
     info = dist_info()
@@ -131,7 +127,7 @@ def join(config: Peers) -> PeerTable | None:
     host = config.host or _local_host()
     name = config.node_name or host
     if serves:
-        service = _start(secret, host, config.port)
+        service = _start(secret, host, config.port, own_process=config.service_process)
         # "local": where the node's own processes reach it (where it listens: a NAT may not loop back)
         entry = {"name": name, "address": config.advertise or service.address, "local": service.address}
         store.set(prefix + f"node/{node}", json.dumps(entry))
@@ -160,50 +156,66 @@ def join(config: Peers) -> PeerTable | None:
     addresses[node] = local
     table = PeerTable(secret, tuple(names), tuple(addresses), node, config.per_peer)
     if serves:
-        service.homes, service.me = Homes(table.names), node
+        if isinstance(service, Service):
+            service.homes, service.me = Homes(table.names), node
+        else:
+            service.set_homes(table.names, node)
     _joined.get()[key] = table
     return table
 
 
-def _start(secret: bytes, host: str, port: int) -> Service:
-    """This node's service for the job of ``secret``, started on this process's loop."""
+def _start(secret: bytes, host: str, port: int, *, own_process: bool) -> Service | ServiceProcess:
+    """This node's service for the job of ``secret``: in a process of its own
+    (:mod:`.daemon`), or on this process's loop."""
     services = _services.get()
     service = services.get(secret)
     if service is not None:
         return service
+    if own_process:
+        handle = services[secret] = start(secret, host, port)
+        return handle
     service = Service(secret)
 
-    async def start() -> int:
+    async def listen() -> int:
         return await service.server.start(host, port)
 
     try:
-        bound = run(start(), 30.0)
+        bound = run(listen(), 30.0)
     except OSError as exc:
         raise ConfigError(
-            f"peers: cannot listen on {_address(host, port)} ({exc}); give Peers(host=, port=) an address "
-            "of this node that the others can reach"
+            f"peers: cannot listen on {address_of(host, port)} ({exc}); give Peers(host=, port=) an "
+            "address of this node that the others can reach"
         ) from exc
-    service.address = _address(host, bound)
+    service.address = address_of(host, bound)
     services[secret] = service
-    try:  # a note of it in the node's directory, for whoever looks (best effort)
-        directory, lock = make_locked_dir("peers")
-        service.note = (directory, lock)
-        note = {"job": service.verifier.job, "address": service.address, "pid": _process.pid()}
-        write_own(os.path.join(directory, "service.json"), json.dumps(note).encode())
-    except OSError:
-        pass
+    leave_note(service)
     return service
 
 
-def service_of(table: PeerTable) -> Service | None:
-    """This process's service for ``table``'s job, if it runs one."""
+@atexit.register
+def _end_services() -> None:
+    """The service processes this process started, told to end and waited for (a forked child has
+    none: it neither owns nor waits for its parent's)."""
+    for service in (_services.peek() or {}).values():
+        if isinstance(service, ServiceProcess):
+            service.close(2.0)
+
+
+def service_of(table: PeerTable) -> Service | ServiceProcess | None:
+    """This process's service for ``table``'s job, if it runs one (on its loop: a :class:`Service`) or
+    started one (a :class:`ServiceProcess`)."""
     return _services.get().get(table.secret)
 
 
-def serve(table: PeerTable, root: str, cache: BlobCache, owner: Any, fetch: Fetch) -> None:
-    """Serve the objects below ``root`` (``owner``, a dataset of the job) from ``cache``, read by
-    ``fetch(owner, url, size, identity)`` when the cache misses them, if this process runs its node's
-    service."""
+def serve(
+    table: PeerTable, root: str, cache: BlobCache, owner: Any, fetch: Fetch, engine: EngineSpec
+) -> None:
+    """Serve the objects below ``root`` (``owner``, a dataset of the job) from ``cache``, if this
+    process runs or started its node's service: read when the cache misses them by ``fetch(owner,
+    url, size, identity)`` on this process's loop, or, in the service's own process, by a fetch engine
+    made there from ``engine``."""
     service = service_of(table)
-    if service is not None:
+    if isinstance(service, Service):
         service.add_source(root, cache, owner, fetch)
+    elif service is not None:
+        service.add_source(root, cache, engine)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from blobdata import ConfigError, FolderDataset, Peers
 from blobdata._loop import run
-from blobdata._peers import join, peers_setting, service_of
+from blobdata._peers import Service, ServiceProcess, join, peers_setting, service_of
 
 SECRET_KEY = "blobdata/peers/v1/"  # the meeting's keys: this, then 16 hex digits of the job's hash
 
@@ -135,7 +135,10 @@ def test_node_names_must_be_distinct() -> None:
         join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
 
 
-def test_a_meeting_leaves_a_note_of_the_service_in_the_nodes_directory_and_no_secret() -> None:
+@pytest.mark.parametrize("own_process", [True, False], ids=["service-process", "service-thread"])
+def test_a_meeting_leaves_a_note_of_the_service_in_the_nodes_directory_and_no_secret(
+    own_process: bool,
+) -> None:
     import hashlib
 
     store = dist.HashStore()
@@ -144,23 +147,36 @@ def test_a_meeting_leaves_a_note_of_the_service_in_the_nodes_directory_and_no_se
     store.set(
         prefix + "node/1", json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"})
     )
-    table = join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
+    config = Peers(
+        store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5, service_process=own_process
+    )
+    table = join(config)
     assert table is not None and table.names == ("127.0.0.1", "other") and table.me == 0
     service = service_of(table)
-    assert service is not None and service.note is not None
+    assert service is not None
+    if own_process:
+        assert isinstance(service, ServiceProcess) and service.proc.poll() is None
+        directory, pid, job_of = service.note, service.pid, service.job
+        assert pid != os.getpid()
+    else:
+        assert isinstance(service, Service) and service.note is not None
+        directory, pid, job_of = service.note[0], os.getpid(), service.verifier.job
     try:
-        assert table.addresses[0] == service.address  # this node's own: where it listens
-        note = Path(service.note[0]) / "service.json"
+        assert directory and table.addresses[0] == service.address  # this node's own: where it listens
+        note = Path(directory) / "service.json"
         st = note.stat()
         assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.geteuid()
-        assert stat.S_IMODE(Path(service.note[0]).stat().st_mode) == 0o700
+        assert stat.S_IMODE(Path(directory).stat().st_mode) == 0o700
         got = json.loads(note.read_text())
-        assert got["address"] == service.address and got["job"] == service.verifier.job
+        assert got == {"address": service.address, "job": job_of, "pid": pid}
         assert table.secret.hex() not in note.read_text()
         secret = store.get(prefix + "secret")
         assert bytes.fromhex(secret.decode()) == table.secret
         assert "secret" not in repr(table) and table.secret.hex() not in repr(table)
         # The same job met again in this process: the same table, no second meeting.
-        assert join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5)) is table
+        assert join(config) is table
     finally:
-        run(service.server.aclose())
+        if isinstance(service, ServiceProcess):
+            service.close()
+        else:
+            run(service.server.aclose())

@@ -1,0 +1,350 @@
+"""A node's peer service in a process of its own (the default; ``Peers(service_process=False)`` keeps
+it on the serving process's loop).
+
+Why: every request the service answers is Python work (the signature's check, the cache's index
+query, the answer's framing), and in the training process it takes that process's GIL. The training
+loop then waits for its batches: a batch of tensors crossing from a worker costs the training process
+one round trip per tensor to the worker (torch's file descriptors for shared memory), and with another
+thread running Python each turn waits for the GIL (``bench_batch_pipe.py``'s busy row: 35 ms per
+batch against 1.2 quiet). A node of a job of many nodes serves about as many reads as it makes. In a
+process of its own the service has a GIL (and a core, and a limit of open files) of its own.
+
+How: :func:`start` runs ``python -m blobdata._peers`` (a new interpreter, not a fork of a
+process with threads, and not a re-import of the user's ``__main__`` as multiprocessing's spawn
+does). The parent speaks to it through the child's stdin (the only one who can write there, so what
+comes through is the parent's own; frames of a length and a pickle, as DataLoader's queues carry a
+dataset to its workers) and reads its answers, one JSON line each, from a pipe of their own. The
+child:
+
+- starts the :class:`~.service.Service` on its own loop and leaves its note in the node's directory;
+- is told the job's nodes once they met (``homes``), then each dataset to serve (``source``: its root,
+  its cache, and how to read it from the bucket: fetch options, protocol and storage options, from
+  which it makes a fetch engine of its own: the node's throttle state toward the bucket is shared
+  through the node's directory as between any of the node's processes);
+- counts its work into a stats record the parent mapped before starting it (a ``memfd``), which the
+  parent's loaders add to their own (:func:`~blobdata._metrics.stats.shared_record`);
+- ignores Ctrl-C (the parent's to handle) and ends when the parent goes: its stdin ends (the parent
+  exited, was killed, or closed it), or its parent is no longer the one that started it.
+
+A source whose settings cannot be sent (storage options that do not pickle, or do not unpickle in a
+fresh interpreter: a credential object of the user's ``__main__``) is refused with a
+:class:`~blobdata.ConfigError` that names its root and says to pass ``Peers(service_process=False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+from typing import Any, NamedTuple
+
+from .. import _process
+from .._cache import BlobCache
+from .._config import FetchOptions
+from .._errors import ConfigError
+from .._loop import run
+from .._metrics import stats as _stats
+from .._node import make_locked_dir, write_own
+from .._url import printable
+from .auth import job_id
+from .service import Service
+
+__all__ = ["EngineSpec", "ServiceProcess", "address_of", "leave_note", "main", "start"]
+
+_log = logging.getLogger("blobdata")
+
+_START_S = 60.0  # a fresh interpreter imports blobdata (not torch) in a fraction of a second
+_ANSWER_S = 30.0  # a source's cache opened and its engine made
+_MAX_LINE = 4096  # bytes of one answer line
+_FRAME = struct.Struct(">I")
+_MAX_FRAME = 64 * 2**20
+_ORPHAN_CHECK_S = 1.0
+
+
+class EngineSpec(NamedTuple):
+    """How a dataset reads its objects from the bucket: what its fetch engine is made from."""
+
+    options: FetchOptions
+    protocol: str
+    storage_options: dict[str, Any]
+
+
+class ServiceProcess:
+    """The parent's handle on the node's service running in a process of its own (see the module
+    docstring): where it listens, its process, and the messages that tell it what to serve."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], answers: int, secret: bytes) -> None:
+        self.proc = proc
+        self._answers = answers
+        self._buf = b""
+        self.job = job_id(secret)
+        self.address = ""
+        self.note = ""  # its directory in the node's state ("": none could be made)
+        self.stats: Any = None  # the record it counts into (kept mapped while it runs)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _send(self, message: tuple[Any, ...], what: str) -> dict[str, Any]:
+        """``message`` to the child, and its answer (raised as a ConfigError naming ``what`` if it is
+        an error, or if the child is gone or does not answer in time)."""
+        try:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # a lambda, a lock, a client object: settings that do not pickle
+            raise ConfigError(
+                f"peers: {what} cannot be sent to the node's peer service process ({type(exc).__name__}: "
+                f"{exc}); pass plain storage options, or Peers(service_process=False) to serve from this "
+                "process"
+            ) from exc
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(_FRAME.pack(len(data)) + data)
+            stdin.flush()
+        except OSError as exc:
+            raise ConfigError(
+                f"peers: the node's peer service process is gone ({exc}); {what} is not served"
+            ) from exc
+        answer = self._answer(_ANSWER_S if message[0] != "start" else _START_S)
+        if answer is None:
+            code = self.proc.poll()
+            raise ConfigError(
+                f"peers: the node's peer service process (pid {self.pid}) "
+                + ("did not answer in time" if code is None else f"exited ({code}; its error is above)")
+                + f" for {what}"
+            )
+        if "error" in answer:
+            raise ConfigError(f"peers: {what}: {answer['error']}")
+        return answer
+
+    def _answer(self, timeout: float) -> dict[str, Any] | None:
+        """The child's next answer line, parsed; None if it ends or none comes within ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or len(self._buf) > _MAX_LINE:
+                return None
+            ready, _, _ = select.select([self._answers], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(self._answers, _MAX_LINE)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        try:
+            got = json.loads(line)
+        except ValueError:
+            return None
+        return got if isinstance(got, dict) else None
+
+    def set_homes(self, names: tuple[str, ...], me: int) -> None:
+        """The job's nodes met: serve the objects node ``me`` is home for."""
+        self._send(("homes", names, me), "the job's nodes")
+
+    def add_source(self, root: str, cache: BlobCache, engine: EngineSpec) -> None:
+        """Serve the objects below ``root`` from ``cache``, read by an engine made from ``engine``."""
+        self._send(("source", root, cache, engine), f"the dataset {printable(root)}")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Tell the child to end (its stdin closed) and wait for it; killed if it does not end in time."""
+        proc = self.proc
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            os.close(self._answers)
+        self._answers = -1
+
+
+def start(secret: bytes, host: str, port: int) -> ServiceProcess:
+    """The node's service for the job of ``secret``, listening on ``host``:``port`` in a process of its
+    own; raises ConfigError if it cannot listen there."""
+    answers_r, answers_w = os.pipe()
+    stats_fd, record = _stats.shared_record()
+    env = dict(os.environ)
+    # The parent's import path (a checkout on sys.path, a test's rootdir), as multiprocessing's spawn
+    # passes it, so that the child imports the same blobdata.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    keep = (answers_w,) + ((stats_fd,) if stats_fd >= 0 else ())
+    argv = [sys.executable, "-m", "blobdata._peers", str(answers_w), str(stats_fd), str(os.getpid())]
+
+    async def spawn() -> subprocess.Popen[bytes]:
+        # Started from the loop's thread, which lives as long as this process: the child's parent-death
+        # signal (PR_SET_PDEATHSIG) follows the thread that started it, not the process.
+        return subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=keep, env=env, close_fds=True)
+
+    try:
+        proc = run(spawn(), _START_S)
+    except OSError as exc:
+        os.close(answers_r)
+        raise ConfigError(
+            f"peers: cannot start the node's peer service process ({exc}); pass "
+            "Peers(service_process=False) to serve from this process"
+        ) from exc
+    finally:
+        os.close(answers_w)
+        if stats_fd >= 0:
+            os.close(stats_fd)
+    handle = ServiceProcess(proc, answers_r, secret)
+    handle.stats = record
+    level = logging.getLogger("blobdata").getEffectiveLevel()
+    try:
+        got = handle._send(("start", secret, host, port, level), f"listening on {host}:{port}")
+    except BaseException:
+        handle.close(0.5)
+        raise
+    address, note = got.get("address"), got.get("note", "")
+    if not isinstance(address, str) or not isinstance(note, str):
+        handle.close(0.5)
+        raise ConfigError("peers: the node's peer service process answered its start wrongly")
+    handle.address, handle.note = address, note
+    return handle
+
+
+def address_of(host: str, port: int) -> str:
+    """``host:port`` (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def leave_note(service: Service) -> None:
+    """A note of ``service`` (its job's public id, address, process) in the node's directory, for
+    whoever looks (best effort: none where the directory cannot be made)."""
+    try:
+        directory, lock = make_locked_dir("peers")
+        service.note = (directory, lock)
+        note = {"job": service.verifier.job, "address": service.address, "pid": _process.pid()}
+        write_own(os.path.join(directory, "service.json"), json.dumps(note).encode())
+    except OSError:
+        pass
+
+
+# -- the child ---------------------------------------------------------------------------------------
+def _read_frame(fd: int, ppid: int) -> bytes | None:
+    """The next message on ``fd`` (the child's stdin), pickled; None once it ends or the parent is gone."""
+    head = _read_exactly(fd, _FRAME.size, ppid)
+    if head is None:
+        return None
+    (n,) = _FRAME.unpack(head)
+    if n > _MAX_FRAME:
+        return None
+    return _read_exactly(fd, n, ppid)
+
+
+def _read_exactly(fd: int, n: int, ppid: int) -> bytes | None:
+    out = bytearray()
+    while len(out) < n:
+        ready, _, _ = select.select([fd], [], [], _ORPHAN_CHECK_S)
+        if not ready:
+            if os.getppid() != ppid:  # the parent died and its children were taken over by another
+                return None
+            continue
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return bytes(out)
+
+
+class _Source:
+    """A dataset served by the child: the engine that reads its objects (held: the service keeps its
+    sources weakly)."""
+
+    def __init__(self, root: str, engine: EngineSpec) -> None:
+        from .._fetch import FetchEngine
+        from .._stores import resolve_storage_options
+
+        opts = resolve_storage_options(engine.protocol, engine.storage_options)
+        self.engine = FetchEngine(engine.options, engine.protocol, opts, root=root)
+
+
+async def _fetch(source: _Source, url: str, size: int | None, identity: str) -> bytes:
+    data, _ = await source.engine.fetch(url, size=size, identity=identity)
+    return bytes(data)
+
+
+def _die_with(ppid: int) -> None:
+    """Be ended (SIGTERM) the moment the process that started this one ends (Linux); elsewhere the
+    reads of the parent's messages notice within :data:`_ORPHAN_CHECK_S`."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != ppid:  # it ended before the signal was asked for
+        os._exit(0)
+
+
+def main(answers: int, stats_fd: int, ppid: int) -> int:
+    """The child's life (``python -m blobdata._peers ANSWERS_FD STATS_FD PARENT_PID``); its exit
+    status."""
+    from .homes import Homes
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; the child ends with it
+    _die_with(ppid)
+    if stats_fd >= 0:
+        _stats.count_in(stats_fd)
+
+    def answer(**got: Any) -> None:
+        with contextlib.suppress(OSError):  # the parent gone: the next read ends the child
+            os.write(answers, json.dumps(got).encode() + b"\n")
+
+    frame = _read_frame(0, ppid)
+    message = pickle.loads(frame) if frame is not None else None  # the parent's own pipe (docstring)
+    if not message or message[0] != "start":
+        return 2
+    _, secret, host, port, level = message
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("blobdata").setLevel(level)
+    service = Service(secret)
+    try:
+        bound = run(service.server.start(host, port), 30.0)
+    except OSError as exc:
+        answer(
+            error=f"cannot listen on {address_of(host, port)} ({exc}); give Peers(host=, port=) an address "
+            "of this node that the others can reach"
+        )
+        return 1
+    service.address = address_of(host, bound)
+    leave_note(service)
+    answer(address=service.address, note=service.note[0] if service.note else "")
+    sources: dict[str, _Source] = {}
+    try:
+        while True:
+            frame = _read_frame(0, ppid)
+            if frame is None:
+                return 0
+            try:
+                message = pickle.loads(frame)  # the parent's own pipe (module docstring)
+                if message[0] == "homes":
+                    service.homes, service.me = Homes(message[1]), message[2]
+                elif message[0] == "source":
+                    _, root, cache, engine = message
+                    source = sources[root] = _Source(root, engine)
+                    service.add_source(root, cache, source, _fetch)
+                else:
+                    raise ValueError(f"unknown message {message[0]!r}")
+            except Exception as exc:
+                answer(error=f"{type(exc).__name__}: {exc}")
+                continue
+            answer(ok=True)
+    finally:
+        with contextlib.suppress(Exception):
+            run(service.server.aclose(), 5.0)
+        for source in sources.values():
+            with contextlib.suppress(Exception):
+                source.engine.close()
+

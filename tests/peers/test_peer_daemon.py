@@ -1,0 +1,205 @@
+"""A node's peer service in a process of its own: it ends with the process that started it however
+that one ends, refuses with a clear error what cannot be sent to it, and its counts reach the loaders
+of the process that started it. (It serving real nodes is tests/peers/test_peer_nodes.py's job: its
+nodes run the default, the service's own process.)"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from blobdata import ConfigError, FetchOptions
+from blobdata._cache import BlobCache
+from blobdata._metrics import stats as _stats
+from blobdata._peers import EngineSpec, Peers, ServiceProcess, join, service_of
+from blobdata._peers.daemon import start
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET_KEY = "blobdata/peers/v1/"
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
+
+
+def _wait_gone(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if _gone(pid):
+            return True
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+_PARENT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch.distributed as dist
+    from blobdata._peers import Peers, join, service_of
+
+    store = dist.HashStore()
+    job = "parent-" + str(os.getpid())
+    import hashlib
+    prefix = "blobdata/peers/v1/" + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    other = {"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"}
+    store.set(prefix + "node/1", json.dumps(other))
+    table = join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
+    worker = os.fork() if sys.argv[1] == "worker" else -1  # as a DataLoader worker: holds the pipes
+    if worker == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(service_of(table).pid, worker, flush=True)
+    if sys.argv[1] == "exit":
+        sys.exit(0)
+    time.sleep(120)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "worker", "SIGINT", "exit"])
+def test_the_service_process_ends_with_the_process_that_started_it(how: str) -> None:
+    """Killed (no handler runs; "worker": while a forked child of it, as a DataLoader worker, lives on
+    and keeps the service's stdin open), interrupted (Ctrl-C: the service ignores it, its parent does
+    not) or exiting normally (atexit ends it): the service's process does not outlive its parent."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    with subprocess.Popen(
+        [sys.executable, "-c", _PARENT, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    ) as parent:  # fmt: skip
+        worker = -1
+        try:
+            assert parent.stdout is not None and parent.stderr is not None
+            line = parent.stdout.readline().split()
+            assert len(line) == 2, parent.stderr.read()
+            child, worker = int(line[0]), int(line[1])
+            assert child != parent.pid and not _gone(child)
+            if how in ("SIGKILL", "worker"):
+                parent.kill()
+            elif how == "SIGINT":
+                parent.send_signal(signal.SIGINT)
+            parent.wait(30)
+            assert _wait_gone(child, 10.0), f"the service process {child} outlived its parent ({how})"
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+            if worker > 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGKILL)
+
+
+def _met() -> tuple[ServiceProcess, bytes]:
+    """A node 0 of two that met (node 1's entry put in the store by hand), its service's process."""
+    store = dist.HashStore()
+    job = f"daemon-{os.urandom(4).hex()}"
+    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    store.set(
+        prefix + "node/1", json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"})
+    )
+    table = join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job))
+    assert table is not None
+    service = service_of(table)
+    assert isinstance(service, ServiceProcess)
+    return service, table.secret
+
+
+class _OnlyHere:
+    """A storage option that pickles but cannot be made again in another process (a credential or a
+    client bound to the process that made it)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __reduce__(self) -> tuple[object, tuple[int]]:
+        return _made_again, (self.pid,)
+
+
+def _made_again(pid: int) -> _OnlyHere:
+    if pid != os.getpid():
+        raise RuntimeError(f"bound to process {pid}")
+    return _OnlyHere()
+
+
+def test_settings_that_cannot_be_sent_are_refused_naming_the_dataset(tmp_path: Path) -> None:
+    service, _ = _met()
+    try:
+        cache = BlobCache(tmp_path / "cache")
+        root = "s3://bucket/train/"
+        # Not picklable here: refused before anything is sent, with what to do.
+        with pytest.raises(ConfigError, match=r"s3://bucket/train/.*cannot be sent.*service_process=False"):
+            service.add_source(root, cache, EngineSpec(FetchOptions(), "s3", {"client_kwargs": lambda: 0}))
+        # Sent, but it cannot be made again there: the child's own error, naming the dataset.
+        with pytest.raises(ConfigError, match=r"s3://bucket/other/: RuntimeError: bound to process"):
+            options = {"client_kwargs": _OnlyHere()}
+            service.add_source("s3://bucket/other/", cache, EngineSpec(FetchOptions(), "s3", options))
+        # The process goes on and takes the next dataset.
+        service.add_source(root, cache, EngineSpec(FetchOptions(), "s3", {"anon": True}))
+        assert service.proc.poll() is None
+    finally:
+        service.close()
+    assert service.proc.returncode == 0  # ended by its stdin's end, as asked
+
+
+def test_a_service_that_cannot_listen_says_where() -> None:
+    busy, _ = _met()
+    try:
+        port = int(busy.address.rpartition(":")[2])
+        where = rf"cannot listen on 127\.0\.0\.1:{port}.*Peers\(host=, port=\)"
+        with pytest.raises(ConfigError, match=where):
+            start(bytes(32), "127.0.0.1", port)
+    finally:
+        busy.close()
+
+
+def test_what_the_service_process_counts_reaches_the_loaders_made_since() -> None:
+    fd, record = _stats.shared_record()
+    assert fd >= 0 and record is not None
+    os.close(fd)
+    try:
+        record[_stats.PEER_SERVED] += 3  # before the loader: not its work
+        records = _stats.Records(os.devnull + "-none")  # no records of its own
+        record[_stats.PEER_SERVED] += 5
+        record[_stats.PEER_SERVED_BYTES] += 500
+        record[_stats.INFLIGHT] = 2.0  # a gauge: what it holds now, not a difference
+        total = records.total()
+        assert (total[_stats.PEER_SERVED], total[_stats.PEER_SERVED_BYTES]) == (5.0, 500.0)
+        assert total[_stats.INFLIGHT] == 2.0
+        later = _stats.Records(os.devnull + "-none")
+        assert later.total()[_stats.PEER_SERVED] == 0.0
+    finally:
+        _stats._shared.remove(record)
+
+
+def test_the_child_counts_into_the_record_its_parent_passed() -> None:
+    """A real child (as the service's process is started) counting with count_in: its counts are the
+    parent's to read, and a descriptor that is not such a record leaves its counts private."""
+    fd, record = _stats.shared_record()
+    assert fd >= 0 and record is not None
+    code = (
+        "import sys; from blobdata._metrics import stats as s; s.count_in(int(sys.argv[1])); "
+        "s.rec()[s.PEER_SERVED] += 7"
+    )
+    try:
+        subprocess.run([sys.executable, "-c", code, str(fd)], pass_fds=(fd,), check=True, timeout=60)
+        assert record[_stats.PEER_SERVED] == 7.0
+        assert np.array(record)[_stats.PEER_SERVED_BYTES] == 0.0
+    finally:
+        os.close(fd)
+        _stats._shared.remove(record)
