@@ -43,6 +43,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -89,6 +90,7 @@ class ServiceProcess:
         self.address = ""
         self.note = ""  # its directory in the node's state ("": none could be made)
         self.stats: Any = None  # the record it counts into (kept mapped while it runs)
+        self._lock = threading.Lock()  # one message and its answer at a time (datasets made in threads)
 
     @property
     def pid(self) -> int:
@@ -97,6 +99,10 @@ class ServiceProcess:
     def _send(self, message: tuple[Any, ...], what: str) -> dict[str, Any]:
         """``message`` to the child, and its answer (raised as a ConfigError naming ``what`` if it is
         an error, or if the child is gone or does not answer in time)."""
+        with self._lock:
+            return self._exchange(message, what)
+
+    def _exchange(self, message: tuple[Any, ...], what: str) -> dict[str, Any]:
         try:
             data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # a lambda, a lock, a client object: settings that do not pickle
@@ -117,6 +123,8 @@ class ServiceProcess:
         answer = self._answer(_ANSWER_S if message[0] != "start" else _START_S)
         if answer is None:
             code = self.proc.poll()
+            if code is None:  # a late answer would be taken for the next message's: it goes
+                self.proc.kill()
             raise ConfigError(
                 f"peers: the node's peer service process (pid {self.pid}) "
                 + ("did not answer in time" if code is None else f"exited ({code}; its error is above)")

@@ -61,3 +61,20 @@ def test_bench_peer_read_small(tmp_path: Path) -> None:
     for r in doc["rounds"]:
         assert r["service_us"] > 0 and r["asker_us"] > 0 and r["hit_us"] > 0
         assert r["peer_us"] == pytest.approx(r["service_us"] + r["asker_us"])
+
+
+@pytest.mark.timeout(150)
+def test_bench_peer_service_small(tmp_path: Path) -> None:
+    """benchmarks/bench_peer_service.py: the training loop's batches timed with node 0's service in a
+    thread and in a process of its own, quiet and while node 1 reads from it; node 1's reads are
+    answered by the service they were sent to in both placements."""
+    args = ["--objects", "200", "--rate", "400", "--batches", "12", "--rounds", "1", "--kinds", "tensor"]
+    printed, doc = _bench("bench_peer_service.py", args, tmp_path / "out.json", 130)
+    assert "process / thread" in printed
+    assert {(r["kind"], r["load"]) for r in doc["results"]} == {("tensor", "quiet"), ("tensor", "served")}
+    for r in doc["results"]:
+        assert r["thread_ms"] > 0 and r["process_ms"] > 0
+    for placement in ("thread", "process"):
+        ((rate, answered, _),) = doc["served"][placement]
+        assert rate > 0 and answered > 0, placement
+        assert f"service in a {placement}: node 1 read" in printed
