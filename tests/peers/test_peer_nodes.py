@@ -93,14 +93,20 @@ def _handed(e: dict[str, Any], before: dict[str, Any], home: dict[int, int], ran
     return [i for i, _ in first if home[i] != rank] if before["epoch"] > 0 else []
 
 
-@pytest.mark.parametrize("kind", ["folder", "blob"])
+@pytest.mark.parametrize(
+    ("kind", "own_process"),
+    [("folder", True), ("blob", True), ("folder", False)],
+    ids=["folder", "blob", "folder-service-thread"],
+)
 def test_a_global_shuffle_reads_each_object_from_the_bucket_once_then_from_the_nodes(
-    tmp_path: Path, s3_bucket: Any, s3_proxy: Any, kind: str
+    tmp_path: Path, s3_bucket: Any, s3_proxy: Any, kind: str, own_process: bool
 ) -> None:
+    """Each node's service in a process of its own (the default), or on its training process's loop
+    (``Peers(service_process=False)``): the same reads, the same counts."""
     digests, options, store = _setup(s3_bucket, s3_proxy)
     specs = _specs(
         tmp_path, "job", store, 3, s3_bucket.url("train"), options, epochs=[0, 1, 2], kind=kind,
-        rank_2={"lookahead": 64},
+        rank_2={"lookahead": 64}, service_process=own_process,
     )  # fmt: skip
     results, gets = run_nodes(tmp_path, store, specs, s3_proxy)
     assert all(r is not None for r in results), [log_of(s) for s in specs]

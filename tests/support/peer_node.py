@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
     peers = Peers(
         store=store, nnodes=spec["nnodes"], node_rank=spec["node_rank"], host=spec["host"],
         port=spec.get("port", 0), advertise=spec.get("advertise"), job=spec["job"], timeout=60,
+        service_process=spec.get("service_process", True),
     )  # fmt: skip
     cache = BlobCache(spec["cache"], size_limit=spec.get("cache_size", "1GB"))
     options = spec["storage_options"]
