@@ -84,13 +84,19 @@ def _stack(batch: list[Any]) -> Any:
     return np.stack(batch)
 
 
-def _one(kind: str, widened: bool, busy: bool, args: Any) -> float:
-    """Milliseconds per batch from the first batch to the last."""
+def make_loader(kind: str, widened: bool, args: Any) -> Any:
+    """A DataLoader of ``args.batches`` batches of ``kind`` (``args.batch`` samples of ``args.size``
+    bytes, ``args.workers`` workers), its result pipe widened or not (bench_peer_service uses it too)."""
     n = args.batches * args.batch
     dataset = _Samples(n, args.size) if kind == "bytes" else _Arrays(n, args.size)
     collate: Any = {"bytes": list, "numpy": _stack, "tensor": torch.utils.data.default_collate}[kind]
     cls = _Widened if widened else torch.utils.data.DataLoader
-    loader = cls(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
+    return cls(dataset, batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
+
+
+def _one(kind: str, widened: bool, busy: bool, args: Any) -> float:
+    """Milliseconds per batch from the first batch to the last."""
+    loader = make_loader(kind, widened, args)
     stop = threading.Event()
 
     def spin() -> None:  # Python that holds the GIL until the interpreter makes it switch

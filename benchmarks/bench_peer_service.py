@@ -12,7 +12,8 @@ each kind of batch:
 
 - ``tensor``  one uint8 tensor (``default_collate``): it crosses in shared memory, a file descriptor
   passed per tensor, a round trip to the worker that needs the training process's GIL;
-- ``bytes``   a list of bytes, through the result pipe widened as ``BlobLoader`` widens it.
+- ``bytes``   a list of bytes, through the result pipe widened as ``BlobLoader`` widens it
+  (both kinds: ``bench_batch_pipe.py``'s loaders, widened).
 
 Settings, each timed ``--rounds`` times, interleaved: ``quiet`` (nobody asks the service) and
 ``served`` (node 1 reads at ``--rate``), with the service in a ``thread`` of this process or in its own
@@ -104,6 +105,10 @@ def _session(spec: dict[str, Any], objects: list[tuple[str, str, int]], address:
         return time.perf_counter() - t0
 
     async def until_stopped() -> float:
+        # One read first (the connection open), then the rounds' reads at the rate from "going" on.
+        url, identity, size = objects[0]
+        await client.read(0, url, size, identity, bucket)
+        print("going", flush=True)
         waiter = asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
         work = asyncio.ensure_future(reads())
         await waiter  # "stop"
@@ -129,33 +134,6 @@ def ask(spec_json: str) -> int:
 
 
 # -- node 0: the training process ----------------------------------------------------------------------
-def _loader(kind: str, args: Any) -> Any:
-    import numpy as np
-    import torch.utils.data
-
-    from blobdata._dataset.loader import widen_result_pipe
-
-    size, n = args.size, args.batches * args.batch
-
-    class Samples(torch.utils.data.Dataset[Any]):
-        def __len__(self) -> int:
-            return n
-
-        def __getitem__(self, i: int) -> Any:
-            if kind == "bytes":
-                return bytes([i % 251]) * size
-            return torch.from_numpy(np.full(size, i % 251, dtype=np.uint8))
-
-    class Widened(torch.utils.data.DataLoader[Any]):
-        def _get_iterator(self) -> Any:
-            iterator = super()._get_iterator()
-            widen_result_pipe(iterator)
-            return iterator
-
-    collate: Any = list if kind == "bytes" else torch.utils.data.default_collate
-    return Widened(Samples(), batch_size=args.batch, num_workers=args.workers, collate_fn=collate)
-
-
 def _ms_per_batch(loader: Any) -> float:
     it = iter(loader)
     next(it)  # the workers started
@@ -204,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--ask"]:
         return ask(argv[1])
+    from bench_batch_pipe import make_loader  # (torch: not in node 1's process)
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objects", type=int, default=3000)
     p.add_argument("--size", type=int, default=27000, help="bytes per object and per sample")
@@ -246,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                         if load == "served":
                             asker.stdin.write("go {} {}\n".format(*addresses[placement]))
                             asker.stdin.flush()
-                            time.sleep(0.5)  # its connections open, its pace set
-                        ms = _ms_per_batch(_loader(kind, args))
+                            if asker.stdout.readline().strip() != "going":
+                                raise SystemExit("node 1 did not start reading")
+                            time.sleep(0.3)  # its pace set
+                        ms = _ms_per_batch(make_loader(kind, True, args))
                         if load == "served":
                             asker.stdin.write("stop\n")
                             asker.stdin.flush()

@@ -11,10 +11,9 @@ process of its own the service has a GIL (and a core, and a limit of open files)
 
 How: :func:`start` runs ``python -m blobdata._peers`` (a new interpreter, not a fork of a
 process with threads, and not a re-import of the user's ``__main__`` as multiprocessing's spawn
-does). The parent speaks to it through the child's stdin (the only one who can write there, so what
-comes through is the parent's own; frames of a length and a pickle, as DataLoader's queues carry a
-dataset to its workers) and reads its answers, one JSON line each, from a pipe of their own. The
-child:
+does). The parent speaks to it through the child's stdin (frames of a length and a JSON object: plain
+data, checked as it is read, never unpickled) and reads its answers, one JSON line each, from a pipe
+of their own. The child:
 
 - starts the :class:`~.service.Service` on its own loop and leaves its note in the node's directory;
 - is told the job's nodes once they met (``homes``), then each dataset to serve (``source``: its root,
@@ -26,18 +25,18 @@ child:
 - ignores Ctrl-C (the parent's to handle) and ends when the parent goes: its stdin ends (the parent
   exited, was killed, or closed it), or its parent is no longer the one that started it.
 
-A source whose settings cannot be sent (storage options that do not pickle, or do not unpickle in a
-fresh interpreter: a credential object of the user's ``__main__``) is refused with a
-:class:`~blobdata.ConfigError` that names its root and says to pass ``Peers(service_process=False)``.
+A source whose settings cannot be sent (storage options that are not plain data: a client or a
+credential object, a function) is refused with a :class:`~blobdata.ConfigError` that names its root
+and says to pass ``Peers(service_process=False)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
-import pickle
 import select
 import signal
 import struct
@@ -96,20 +95,19 @@ class ServiceProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def _send(self, message: tuple[Any, ...], what: str) -> dict[str, Any]:
+    def _send(self, message: dict[str, Any], what: str) -> dict[str, Any]:
         """``message`` to the child, and its answer (raised as a ConfigError naming ``what`` if it is
         an error, or if the child is gone or does not answer in time)."""
         with self._lock:
             return self._exchange(message, what)
 
-    def _exchange(self, message: tuple[Any, ...], what: str) -> dict[str, Any]:
+    def _exchange(self, message: dict[str, Any], what: str) -> dict[str, Any]:
         try:
-            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as exc:  # a lambda, a lock, a client object: settings that do not pickle
+            data = json.dumps(message).encode()
+        except (TypeError, ValueError) as exc:  # a client object, a function: not plain data
             raise ConfigError(
-                f"peers: {what} cannot be sent to the node's peer service process ({type(exc).__name__}: "
-                f"{exc}); pass plain storage options, or Peers(service_process=False) to serve from this "
-                "process"
+                f"peers: {what} cannot be sent to the node's peer service process ({exc}); pass storage "
+                "options of plain values, or Peers(service_process=False) to serve from this process"
             ) from exc
         stdin = self.proc.stdin
         assert stdin is not None
@@ -120,7 +118,7 @@ class ServiceProcess:
             raise ConfigError(
                 f"peers: the node's peer service process is gone ({exc}); {what} is not served"
             ) from exc
-        answer = self._answer(_ANSWER_S if message[0] != "start" else _START_S)
+        answer = self._answer(_START_S if message["op"] == "start" else _ANSWER_S)
         if answer is None:
             code = self.proc.poll()
             if code is None:  # a late answer would be taken for the next message's: it goes
@@ -157,11 +155,17 @@ class ServiceProcess:
 
     def set_homes(self, names: tuple[str, ...], me: int) -> None:
         """The job's nodes met: serve the objects node ``me`` is home for."""
-        self._send(("homes", names, me), "the job's nodes")
+        self._send({"op": "homes", "names": list(names), "me": me}, "the job's nodes")
 
     def add_source(self, root: str, cache: BlobCache, engine: EngineSpec) -> None:
         """Serve the objects below ``root`` from ``cache``, read by an engine made from ``engine``."""
-        self._send(("source", root, cache, engine), f"the dataset {printable(root)}")
+        directory, limit, policy = cache.__getstate__()  # what a worker's copy of the cache is made from
+        message = {
+            "op": "source", "root": root, "cache": [directory, limit, policy],
+            "options": dataclasses.asdict(engine.options), "protocol": engine.protocol,
+            "storage_options": engine.storage_options,
+        }  # fmt: skip
+        self._send(message, f"the dataset {printable(root)}")
 
     def close(self, timeout: float = 5.0) -> None:
         """Tell the child to end (its stdin closed) and wait for it; killed if it does not end in time."""
@@ -212,7 +216,8 @@ def start(secret: bytes, host: str, port: int) -> ServiceProcess:
     handle.stats = record
     level = logging.getLogger("blobdata").getEffectiveLevel()
     try:
-        got = handle._send(("start", secret, host, port, level), f"listening on {host}:{port}")
+        start_message = {"op": "start", "secret": secret.hex(), "host": host, "port": port, "level": level}
+        got = handle._send(start_message, f"listening on {host}:{port}")
     except BaseException:
         handle.close(0.5)
         raise
@@ -243,7 +248,7 @@ def leave_note(service: Service) -> None:
 
 # -- the child ---------------------------------------------------------------------------------------
 def _read_frame(fd: int, ppid: int) -> bytes | None:
-    """The next message on ``fd`` (the child's stdin), pickled; None once it ends or the parent is gone."""
+    """The next message on ``fd`` (the child's stdin), as sent; None once it ends or the parent is gone."""
     head = _read_exactly(fd, _FRAME.size, ppid)
     if head is None:
         return None
@@ -268,16 +273,45 @@ def _read_exactly(fd: int, n: int, ppid: int) -> bytes | None:
     return bytes(out)
 
 
-class _Source:
-    """A dataset served by the child: the engine that reads its objects (held: the service keeps its
-    sources weakly)."""
+def _message(frame: bytes) -> dict[str, Any]:
+    """A parent's message: a JSON object with an ``op``."""
+    got = json.loads(frame)
+    if not isinstance(got, dict) or not isinstance(got.get("op"), str):
+        raise ValueError("not a message")
+    return got
 
-    def __init__(self, root: str, engine: EngineSpec) -> None:
+
+def _typed(message: dict[str, Any], **types: Any) -> list[Any]:
+    """``message``'s fields named in ``types``, each checked to be of its type."""
+    out = []
+    for name, kind in types.items():
+        value = message.get(name)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{name!r} is not a {getattr(kind, '__name__', kind)}")
+        out.append(value)
+    return out
+
+
+class _Source:
+    """A dataset served by the child: its cache and the engine that reads its objects (held: the
+    service keeps its sources weakly), made from a ``source`` message."""
+
+    def __init__(self, message: dict[str, Any]) -> None:
         from .._fetch import FetchEngine
         from .._stores import resolve_storage_options
 
-        opts = resolve_storage_options(engine.protocol, engine.storage_options)
-        self.engine = FetchEngine(engine.options, engine.protocol, opts, root=root)
+        root, state, options, protocol, storage = _typed(
+            message, root=str, cache=list, options=dict, protocol=str, storage_options=dict
+        )
+        if not (len(state) == 3 and isinstance(state[0], str) and type(state[1]) is int):
+            raise ValueError("'cache' is not [directory, size limit, policy]")
+        if state[2] not in ("admit", "lru"):
+            raise ValueError(f"cache policy {state[2]!r}")
+        self.root = root
+        self.cache = BlobCache.__new__(BlobCache)
+        self.cache.__setstate__((state[0], state[1], state[2]))  # as a worker's copy is made
+        opts = resolve_storage_options(protocol, storage)
+        self.engine = FetchEngine(FetchOptions(**options), protocol, opts, root=root)
 
 
 async def _fetch(source: _Source, url: str, size: int | None, identity: str) -> bytes:
@@ -311,10 +345,14 @@ def main(answers: int, stats_fd: int, ppid: int) -> int:
             os.write(answers, json.dumps(got).encode() + b"\n")
 
     frame = _read_frame(0, ppid)
-    message = pickle.loads(frame) if frame is not None else None  # the parent's own pipe (docstring)
-    if not message or message[0] != "start":
+    try:
+        message = _message(frame) if frame is not None else {}
+        secret_hex, host, port, level = _typed(message, secret=str, host=str, port=int, level=int)
+        secret = bytes.fromhex(secret_hex)
+    except ValueError:
         return 2
-    _, secret, host, port, level = message
+    if message["op"] != "start":
+        return 2
     logging.basicConfig(format="%(message)s")
     logging.getLogger("blobdata").setLevel(level)
     service = Service(secret)
@@ -336,15 +374,18 @@ def main(answers: int, stats_fd: int, ppid: int) -> int:
             if frame is None:
                 return 0
             try:
-                message = pickle.loads(frame)  # the parent's own pipe (module docstring)
-                if message[0] == "homes":
-                    service.homes, service.me = Homes(message[1]), message[2]
-                elif message[0] == "source":
-                    _, root, cache, engine = message
-                    source = sources[root] = _Source(root, engine)
-                    service.add_source(root, cache, source, _fetch)
+                message = _message(frame)
+                if message["op"] == "homes":
+                    names, me = _typed(message, names=list, me=int)
+                    if not all(isinstance(n, str) for n in names) or not 0 <= me < len(names):
+                        raise ValueError("'names' are not the job's node names with 'me' among them")
+                    service.homes, service.me = Homes(names), me
+                elif message["op"] == "source":
+                    source = _Source(message)
+                    sources[source.root] = source
+                    service.add_source(source.root, source.cache, source, _fetch)
                 else:
-                    raise ValueError(f"unknown message {message[0]!r}")
+                    raise ValueError(f"unknown message {message['op']!r}")
             except Exception as exc:
                 answer(error=f"{type(exc).__name__}: {exc}")
                 continue

@@ -120,35 +120,29 @@ def _met() -> tuple[ServiceProcess, bytes]:
     return service, table.secret
 
 
-class _OnlyHere:
-    """A storage option that pickles but cannot be made again in another process (a credential or a
-    client bound to the process that made it)."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-
-    def __reduce__(self) -> tuple[object, tuple[int]]:
-        return _made_again, (self.pid,)
-
-
-def _made_again(pid: int) -> _OnlyHere:
-    if pid != os.getpid():
-        raise RuntimeError(f"bound to process {pid}")
-    return _OnlyHere()
-
-
 def test_settings_that_cannot_be_sent_are_refused_naming_the_dataset(tmp_path: Path) -> None:
+    """What the child is told is plain data (JSON, never a pickle): storage options that are not are
+    refused before anything is sent; a message the child cannot use is answered with its error, and
+    the child goes on serving."""
     service, _ = _met()
     try:
         cache = BlobCache(tmp_path / "cache")
         root = "s3://bucket/train/"
-        # Not picklable here: refused before anything is sent, with what to do.
         with pytest.raises(ConfigError, match=r"s3://bucket/train/.*cannot be sent.*service_process=False"):
             service.add_source(root, cache, EngineSpec(FetchOptions(), "s3", {"client_kwargs": lambda: 0}))
-        # Sent, but it cannot be made again there: the child's own error, naming the dataset.
-        with pytest.raises(ConfigError, match=r"s3://bucket/other/: RuntimeError: bound to process"):
-            options = {"client_kwargs": _OnlyHere()}
-            service.add_source("s3://bucket/other/", cache, EngineSpec(FetchOptions(), "s3", options))
+        with pytest.raises(ConfigError, match=r"s3://bucket/train/.*cannot be sent"):
+            service.add_source(root, cache, EngineSpec(FetchOptions(), "s3", {"session": object()}))
+        # Checked by the child as it reads them: its own error comes back, naming what was sent.
+        bad = {
+            "op": "source", "root": "s3://bucket/other/", "cache": [str(tmp_path / "c"), 1, "fifo"],
+            "options": {}, "protocol": "s3", "storage_options": {},
+        }  # fmt: skip
+        with pytest.raises(ConfigError, match=r"peers: the dataset s3://bucket/other/: ValueError: .*'fifo'"):
+            service._send(bad, "the dataset s3://bucket/other/")
+        with pytest.raises(ConfigError, match=r"unknown message 'pickle'"):
+            service._send({"op": "pickle"}, "a message")
+        with pytest.raises(ConfigError, match=r"'me' is not a int"):
+            service._send({"op": "homes", "names": ["a", "b"], "me": True}, "the job's nodes")
         # The process goes on and takes the next dataset.
         service.add_source(root, cache, EngineSpec(FetchOptions(), "s3", {"anon": True}))
         assert service.proc.poll() is None
