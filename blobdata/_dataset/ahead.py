@@ -35,13 +35,19 @@ class Stopped(Exception):
 
 
 class BuiltAhead:
-    """One batch (``indices``, keyed by ``seed``) being built by ``build(stop)`` in a daemon thread."""
+    """One batch (``indices``, keyed by ``seed``) being built by ``build(stop, staged)`` in a thread;
+    ``staged[0]``: how many of its samples the build took from the look-ahead, counted when the batch
+    is served (in the epoch it belongs to, not in the one it was built during)."""
 
     def __init__(
-        self, indices: list[int], seed: int | None, build: Callable[[threading.Event], list[Any]]
+        self,
+        indices: list[int],
+        seed: int | None,
+        build: Callable[[threading.Event, list[int]], list[Any]],
     ) -> None:
         self.indices = indices
         self.seed = seed
+        self.staged = [0]
         self._rng = _snapshot()
         self._stop = threading.Event()
         self._result: list[Any] | None = None
@@ -53,9 +59,9 @@ class BuiltAhead:
         mp_util.Finalize(self, self._stop.set, exitpriority=20)
         self._thread.start()
 
-    def _run(self, build: Callable[[threading.Event], list[Any]]) -> None:
+    def _run(self, build: Callable[[threading.Event, list[int]], list[Any]]) -> None:
         try:
-            self._result = build(self._stop)
+            self._result = build(self._stop, self.staged)
         except BaseException:  # any failure: the batch is made again when asked for
             self._result = None
 

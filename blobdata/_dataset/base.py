@@ -124,8 +124,9 @@ class BlobDatasetBase:
         built, proc.built = proc.built, None
         out = built.take(idx, seed) if built is not None else None
         v = _stats.rec()
-        if out is not None:
+        if out is not None and built is not None:
             v[_stats.BUILT_AHEAD] += 1
+            v[_stats.STAGED] += built.staged[0]  # this epoch's: counted now, not while it was built
             self._advance(proc, idx, seed)  # the look-ahead goes on along the new epoch
         else:
             out = self._make(idx, self._fetched(idx, seed), seed)
@@ -146,11 +147,13 @@ class BlobDatasetBase:
         checked between samples."""
         raise NotImplementedError
 
-    def _build_ahead(self, idx: list[int], seed: int | None, stop: threading.Event) -> list[Any]:
+    def _build_ahead(
+        self, idx: list[int], seed: int | None, stop: threading.Event, staged: list[int]
+    ) -> list[Any]:
         # Its fetches are given up (cancelled) as soon as the batch will not be used: the worker,
         # given another batch, waits for this thread, not for a slow or retrying request.
         with _stats.for_next_epoch():  # its reads are the next epoch's, not this one's
-            fetching = submit(self._gather(idx, seed, ahead=True))
+            fetching = submit(self._gather(idx, seed, staged=staged))
         while True:
             try:
                 datas = fetching.result(timeout=0.05)
@@ -340,22 +343,25 @@ class BlobDatasetBase:
         indices: list[int],
         seed: int | None = None,
         *,
-        ahead: bool = False,
+        staged: list[int] | None = None,
         batch: list[int] | None = None,
     ) -> list[Any]:
         """What ``indices`` (keyed by ``seed``) read, staged or fetched now; then the look-ahead moves
-        past the batch they belong to (``batch``, by default ``indices``; not for a batch built ahead:
-        it is not this epoch's)."""
+        past the batch they belong to (``batch``, by default ``indices``). For a batch built ahead
+        (``staged`` given) the look-ahead stays (it is not this epoch's batch) and the samples taken
+        from it are added to ``staged[0]``, for its epoch to count when it is served."""
         proc = self._process()
         staging = proc.lookahead
         tasks: list[asyncio.Future[Any]] = []
         staged_n = 0
         for i in indices:
-            staged = staging.take(i) if staging is not None else None
-            staged_n += staged is not None
-            tasks.append(staged if staged is not None else asyncio.ensure_future(self._load(i)))
-        _stats.rec()[_stats.STAGED] += staged_n
-        if not ahead:  # after this batch's own requests, so that requests start in the sampler's order
+            taken = staging.take(i) if staging is not None else None
+            staged_n += taken is not None
+            tasks.append(taken if taken is not None else asyncio.ensure_future(self._load(i)))
+        if staged is not None:
+            staged[0] += staged_n
+        else:  # after this batch's own requests, so that requests start in the sampler's order
+            _stats.rec()[_stats.STAGED] += staged_n
             self._advance_on_loop(proc, batch if batch is not None else indices, seed)
         return await self._await_all(indices, tasks)
 

@@ -5,6 +5,7 @@ the next epoch's order was guessed wrong, and when a sample of the built batch f
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 from pathlib import Path
@@ -298,7 +299,7 @@ def test_a_batch_not_used_gives_up_its_fetches(s3_bucket: Any, s3_server: Any) -
     with S3Proxy(s3_server) as proxy:
         ds = FolderDataset(s3_bucket.url("d"), storage_options=proxy.storage_options, loader=_sum_loader)
         proxy.delay_s = 60.0  # listed already; no answer now before the test's timeout
-        built = BuiltAhead([0, 1, 2, 3], 7, lambda stop: ds._build_ahead([0, 1, 2, 3], 7, stop))
+        built = BuiltAhead([0, 1, 2, 3], 7, functools.partial(ds._build_ahead, [0, 1, 2, 3], 7))
         assert built.take([4, 5, 6, 7], 7) is None  # another batch: returns once the thread gave up
         proxy.delay_s = 0.0
 

@@ -5,6 +5,7 @@ costs fetches, never a wrong batch."""
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ def _staged_per_epoch(loader: Any, epochs: int, wait: bool = True) -> tuple[list
                 wait_announced(loader)
             order.extend(int(s) for s in batch)
         orders.append(order)
+        if wait:  # the workers, idle, build the next epoch's first batches now: not this epoch's count
+            time.sleep(0.3)
         now = loader.stats().samples_staged
         staged.append(now - before)
         before = now
@@ -68,7 +71,9 @@ def test_persistent_workers_stage_the_next_epochs_first_batches(folder: Path) ->
     assert orders == same_orders and orders[0] != orders[1]
     # Per epoch, each worker's first batch cannot be staged (4 samples each); across epochs it is.
     assert staged_per_epoch[1] <= N - 8 and staged_per_epoch[2] <= N - 8
-    assert staged[1] == N and staged[2] == N
+    # Each epoch counts the samples of its own batches that were staged, however late after its end
+    # the workers built the next one's first batches (counted when they are served, not when built).
+    assert staged[0] <= N - 8 and staged[1] == N and staged[2] == N
 
 
 @pytest.mark.timeout(120)
