@@ -13,8 +13,10 @@
 #   latency  bench_latency.py at 8 and 16 workers on CPUs 0-7, server on 8-15, 12,000 images (#12)
 #   cache    bench_cached_path.py at 1-16 workers and bench_cache_procs.py at P = 1..32 (#12)
 #   peers    bench_peers.py, 4 nodes against PartitionedSampler, each node's processes with cores of
-#            their own (#44: on 2 shared cores the nodes compete for the CPU): flat out, a 40 ms step,
-#            a 40 ms step with persistent workers; bytes only, 4,800 objects, 4 epochs
+#            their own (#44: on 2 shared cores the nodes compete for the CPU): flat out, a 40 ms step
+#            (with the service also in a thread of the training process), a 40 ms step with persistent
+#            workers; bytes only, 4,800 objects, 4 epochs; then bench_peer_service.py at 8,000 reads/s
+#            (the service in a thread against its own process, while a training loop takes batches)
 #   check    only the set-up and the imports (seconds): run it first if the machine's image changed
 #
 # .carry holds what the machine lacks: SeaweedFS's `weed` (xz), botocore pruned to the services blobdata
@@ -139,13 +141,17 @@ peers)
     if [[ -n "$smoke" ]]; then
         run peers 240 python3 benchmarks/bench_peers.py --nodes 2 --objects 64 --epochs 2 --batch-size 8 \
             --workers 1 --no-decode --jobs peers,partitioned --json "$RESULTS/peers.json"
+        run peer-service 120 python3 benchmarks/bench_peer_service.py --objects 200 --rate 400 --batches 12 \
+            --rounds 1 --json "$RESULTS/peer-service.json"
     else
         common=(--no-decode --objects 4800 --epochs 4 --jobs peers,partitioned)
         run peers-flat 170 python3 benchmarks/bench_peers.py "${common[@]}" --json "$RESULTS/peers-flat.json"
-        run peers-step 170 python3 benchmarks/bench_peers.py "${common[@]}" --step-ms 40 \
-            --json "$RESULTS/peers-step.json"
+        run peers-step 170 python3 benchmarks/bench_peers.py --no-decode --objects 4800 --epochs 4 \
+            --jobs peers,peers-thread,partitioned --step-ms 40 --json "$RESULTS/peers-step.json"
         run peers-step-persistent 170 python3 benchmarks/bench_peers.py "${common[@]}" --step-ms 40 \
             --persistent-workers --json "$RESULTS/peers-step-persistent.json"
+        run peer-service 100 python3 benchmarks/bench_peer_service.py --rate 8000 \
+            --json "$RESULTS/peer-service.json"
     fi
     ;;
 *)
