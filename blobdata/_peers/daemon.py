@@ -67,6 +67,8 @@ _MAX_LINE = 4096  # bytes of one answer line
 _FRAME = struct.Struct(">I")
 _MAX_FRAME = 64 * 2**20
 _ORPHAN_CHECK_S = 1.0
+#: A service process that ends is started again, at most this many times in this many seconds.
+_RESTARTS, _RESTART_WINDOW_S = 3, 60.0
 
 
 class EngineSpec(NamedTuple):
@@ -79,27 +81,129 @@ class EngineSpec(NamedTuple):
 
 class ServiceProcess:
     """The parent's handle on the node's service running in a process of its own (see the module
-    docstring): where it listens, its process, and the messages that tell it what to serve."""
+    docstring): where it listens, its process, and the messages that tell it what to serve.
 
-    def __init__(self, proc: subprocess.Popen[bytes], answers: int, secret: bytes) -> None:
-        self.proc = proc
-        self._answers = answers
-        self._buf = b""
+    A service process that ends while its parent lives (killed, crashed) is started again on the same
+    address, told again what it was told (a thread waits for it), at most :data:`_RESTARTS` times in
+    :data:`_RESTART_WINDOW_S`; meanwhile and beyond, the peers read its objects from the bucket."""
+
+    def __init__(self, secret: bytes, host: str, port: int) -> None:
+        self.secret, self.host, self.port = secret, host, port
         self.job = job_id(secret)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._answers = -1
+        self._buf = b""
         self.address = ""
         self.note = ""  # its directory in the node's state ("": none could be made)
-        self.stats: Any = None  # the record it counts into (kept mapped while it runs)
-        self._lock = threading.Lock()  # one message and its answer at a time (datasets made in threads)
+        self.stats: list[Any] = []  # the records it counted into (kept mapped: read by the loaders)
+        self._told: list[tuple[dict[str, Any], str]] = []  # what it was told since it started
+        self._lock = threading.RLock()  # one message and its answer at a time (datasets made in threads)
+        self._closing = False
+        self._restarts: list[float] = []
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self.proc.pid if self.proc is not None else 0
+
+    def _launch(self) -> None:
+        """A new service process, listening on :attr:`host` and :attr:`port`, told what the previous one
+        was told; raises ConfigError if it cannot start or listen."""
+        answers_r, answers_w = os.pipe()
+        stats_fd, record = _stats.shared_record()
+        env = dict(os.environ)
+        # The parent's import path (a checkout on sys.path, a test's rootdir), as multiprocessing's
+        # spawn passes it, so that the child imports the same blobdata.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        keep = (answers_w,) + ((stats_fd,) if stats_fd >= 0 else ())
+        argv = [sys.executable, "-m", "blobdata._peers", str(answers_w), str(stats_fd), str(os.getpid())]
+
+        async def spawn() -> subprocess.Popen[bytes]:
+            # Started from the loop's thread, which lives as long as this process: the child's
+            # parent-death signal (PR_SET_PDEATHSIG) follows the thread that started it.
+            return subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=keep, env=env, close_fds=True)
+
+        try:
+            proc = run(spawn(), _START_S)
+        except OSError as exc:
+            os.close(answers_r)
+            raise ConfigError(
+                f"peers: cannot start the node's peer service process ({exc}); pass "
+                "Peers(service_process=False) to serve from this process"
+            ) from exc
+        finally:
+            os.close(answers_w)
+            if stats_fd >= 0:
+                os.close(stats_fd)
+        old = self.proc
+        with contextlib.suppress(OSError):  # the ended one's pipes
+            if old is not None and old.stdin is not None:
+                old.stdin.close()
+            if self._answers >= 0:
+                os.close(self._answers)
+        self.proc, self._answers, self._buf = proc, answers_r, b""
+        if record is not None:
+            self.stats.append(record)
+        level = logging.getLogger("blobdata").getEffectiveLevel()
+        start = {
+            "op": "start",
+            "secret": self.secret.hex(),
+            "host": self.host,
+            "port": self.port,
+            "level": level,
+        }
+        try:
+            got = self._exchange(start, f"listening on {address_of(self.host, self.port)}")
+            address, note = got.get("address"), got.get("note", "")
+            if not isinstance(address, str) or not isinstance(note, str):
+                raise ConfigError("peers: the node's peer service process answered its start wrongly")
+            self.address, self.note = address, note
+            self.port = int(address.rpartition(":")[2])  # a new one is started on the same port
+            for message, what in self._told:
+                self._exchange(message, what)
+        except BaseException:
+            self._end(0.5)
+            raise
+
+    def _watch(self) -> None:
+        """Until the handle is closed: each time the service process ends, start it again."""
+        while True:
+            proc = self.proc
+            if proc is None:
+                return
+            code = proc.wait()
+            with self._lock:
+                if self._closing:
+                    return
+                if proc is not self.proc:
+                    continue  # already replaced
+                now = time.monotonic()
+                self._restarts = [t for t in self._restarts if t > now - _RESTART_WINDOW_S]
+                if len(self._restarts) >= _RESTARTS:
+                    _log.warning(
+                        "blobdata: the node's peer service process ended again (%s); it is not started "
+                        "again: the other nodes read this node's objects from the bucket", code,
+                    )  # fmt: skip
+                    return
+                self._restarts.append(now)
+                _log.warning(
+                    "blobdata: the node's peer service process (pid %d) ended (%s); starting it again "
+                    "on %s", proc.pid, code, self.address,
+                )  # fmt: skip
+                try:
+                    self._launch()
+                except ConfigError as exc:
+                    _log.warning(
+                        "blobdata: %s; the other nodes read this node's objects from the bucket", exc
+                    )
+                    return
 
     def _send(self, message: dict[str, Any], what: str) -> dict[str, Any]:
         """``message`` to the child, and its answer (raised as a ConfigError naming ``what`` if it is
-        an error, or if the child is gone or does not answer in time)."""
+        an error, or if the child is gone or does not answer in time); told again to a new one."""
         with self._lock:
-            return self._exchange(message, what)
+            answer = self._exchange(message, what)
+            self._told.append((message, what))
+            return answer
 
     def _exchange(self, message: dict[str, Any], what: str) -> dict[str, Any]:
         try:
@@ -109,20 +213,20 @@ class ServiceProcess:
                 f"peers: {what} cannot be sent to the node's peer service process ({exc}); pass storage "
                 "options of plain values, or Peers(service_process=False) to serve from this process"
             ) from exc
-        stdin = self.proc.stdin
-        assert stdin is not None
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None
         try:
-            stdin.write(_FRAME.pack(len(data)) + data)
-            stdin.flush()
+            proc.stdin.write(_FRAME.pack(len(data)) + data)
+            proc.stdin.flush()
         except OSError as exc:
             raise ConfigError(
                 f"peers: the node's peer service process is gone ({exc}); {what} is not served"
             ) from exc
         answer = self._answer(_START_S if message["op"] == "start" else _ANSWER_S)
         if answer is None:
-            code = self.proc.poll()
+            code = proc.poll()
             if code is None:  # a late answer would be taken for the next message's: it goes
-                self.proc.kill()
+                proc.kill()
             raise ConfigError(
                 f"peers: the node's peer service process (pid {self.pid}) "
                 + ("did not answer in time" if code is None else f"exited ({code}; its error is above)")
@@ -168,64 +272,37 @@ class ServiceProcess:
         self._send(message, f"the dataset {printable(root)}")
 
     def close(self, timeout: float = 5.0) -> None:
-        """Tell the child to end (its stdin closed) and wait for it; killed if it does not end in time."""
+        """Tell the child to end (its stdin closed) and wait for it; killed if it does not end in time.
+        It is not started again."""
+        with self._lock:
+            self._closing = True
+            self._end(timeout)
+
+    def _end(self, timeout: float) -> None:
         proc = self.proc
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         with contextlib.suppress(OSError):
-            os.close(self._answers)
+            if self._answers >= 0:
+                os.close(self._answers)
         self._answers = -1
 
 
 def start(secret: bytes, host: str, port: int) -> ServiceProcess:
     """The node's service for the job of ``secret``, listening on ``host``:``port`` in a process of its
-    own; raises ConfigError if it cannot listen there."""
-    answers_r, answers_w = os.pipe()
-    stats_fd, record = _stats.shared_record()
-    env = dict(os.environ)
-    # The parent's import path (a checkout on sys.path, a test's rootdir), as multiprocessing's spawn
-    # passes it, so that the child imports the same blobdata.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    keep = (answers_w,) + ((stats_fd,) if stats_fd >= 0 else ())
-    argv = [sys.executable, "-m", "blobdata._peers", str(answers_w), str(stats_fd), str(os.getpid())]
-
-    async def spawn() -> subprocess.Popen[bytes]:
-        # Started from the loop's thread, which lives as long as this process: the child's parent-death
-        # signal (PR_SET_PDEATHSIG) follows the thread that started it, not the process.
-        return subprocess.Popen(argv, stdin=subprocess.PIPE, pass_fds=keep, env=env, close_fds=True)
-
-    try:
-        proc = run(spawn(), _START_S)
-    except OSError as exc:
-        os.close(answers_r)
-        raise ConfigError(
-            f"peers: cannot start the node's peer service process ({exc}); pass "
-            "Peers(service_process=False) to serve from this process"
-        ) from exc
-    finally:
-        os.close(answers_w)
-        if stats_fd >= 0:
-            os.close(stats_fd)
-    handle = ServiceProcess(proc, answers_r, secret)
-    handle.stats = record
-    level = logging.getLogger("blobdata").getEffectiveLevel()
-    try:
-        start_message = {"op": "start", "secret": secret.hex(), "host": host, "port": port, "level": level}
-        got = handle._send(start_message, f"listening on {host}:{port}")
-    except BaseException:
-        handle.close(0.5)
-        raise
-    address, note = got.get("address"), got.get("note", "")
-    if not isinstance(address, str) or not isinstance(note, str):
-        handle.close(0.5)
-        raise ConfigError("peers: the node's peer service process answered its start wrongly")
-    handle.address, handle.note = address, note
+    own (started again if it ends: :class:`ServiceProcess`); raises ConfigError if it cannot listen
+    there."""
+    handle = ServiceProcess(secret, host, port)
+    with handle._lock:
+        handle._launch()
+    threading.Thread(target=handle._watch, name="blobdata-peer-service", daemon=True).start()
     return handle
 
 
@@ -396,4 +473,3 @@ def main(answers: int, stats_fd: int, ppid: int) -> int:
         for source in sources.values():
             with contextlib.suppress(Exception):
                 source.engine.close()
-

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -22,8 +23,9 @@ import torch.distributed as dist
 
 from blobdata import ConfigError, FetchOptions
 from blobdata._cache import BlobCache
+from blobdata._loop import run
 from blobdata._metrics import stats as _stats
-from blobdata._peers import EngineSpec, Peers, ServiceProcess, join, service_of
+from blobdata._peers import EngineSpec, Homes, PeerClient, Peers, PeerTable, ServiceProcess, join, service_of
 from blobdata._peers.daemon import start
 
 pytestmark = pytest.mark.timeout(120)
@@ -148,7 +150,7 @@ def test_settings_that_cannot_be_sent_are_refused_naming_the_dataset(tmp_path: P
         assert service.proc.poll() is None
     finally:
         service.close()
-    assert service.proc.returncode == 0  # ended by its stdin's end, as asked
+    assert service.proc is not None and service.proc.returncode == 0  # ended by its stdin's end, as asked
 
 
 def test_a_service_that_cannot_listen_says_where() -> None:
@@ -197,3 +199,64 @@ def test_the_child_counts_into_the_record_its_parent_passed() -> None:
     finally:
         os.close(fd)
         _stats._shared.remove(record)
+
+
+def _home_object(tmp_path: Path) -> tuple[BlobCache, str, str, bytes]:
+    """A cache holding one object of ``s3://bucket/train/`` homed on node 0 of ``_met``'s job."""
+    homes = Homes(("127.0.0.1", "other"))
+    url = next(u for u in (f"s3://bucket/train/{i:04d}.bin" for i in range(100)) if homes.home_of(u) == 0)
+    data = os.urandom(3000)
+    cache = BlobCache(tmp_path / "cache")
+    assert cache.put(url, "etag-1", data)
+    return cache, url, "etag-1", data
+
+
+def _read_from(service: ServiceProcess, secret: bytes, url: str, identity: str, size: int) -> bytes:
+    """``url`` read from ``service`` by node 1 of its job, as a dataset's read asks its home."""
+
+    async def bucket() -> tuple[bytes, str]:
+        raise AssertionError(f"{url} was not read from the service")
+
+    client = PeerClient(PeerTable(secret, ("127.0.0.1", "other"), (service.address, "127.0.0.9:9"), 1))
+    try:
+        data, from_peer = run(client.read(0, url, size, identity, bucket), 30.0)
+    finally:
+        run(client.aclose())
+    assert from_peer
+    return data
+
+
+def test_a_service_process_that_ends_is_started_again_where_it_was(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Killed, it is started again on the same address and told again what to serve (a read of a
+    dataset it was told of is answered from the cache); ended too often, it is left ended, said in a
+    warning (the other nodes then read its objects from the bucket)."""
+    cache, url, identity, data = _home_object(tmp_path)
+    service, secret = _met()
+    try:
+        service.add_source("s3://bucket/train/", cache, EngineSpec(FetchOptions(), "s3", {"anon": True}))
+        assert _read_from(service, secret, url, identity, len(data)) == data
+        address = service.address
+        with caplog.at_level(logging.WARNING, logger="blobdata"):
+            for k in range(3):
+                first = service.pid
+                os.kill(first, signal.SIGKILL)
+                deadline = time.monotonic() + 30
+                while service.pid == first and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert service.pid != first, f"not started again after kill {k + 1}"
+                with service._lock:  # held while the new one starts and is told what to serve
+                    pass
+                assert service.address == address
+                assert _read_from(service, secret, url, identity, len(data)) == data
+            last = service.pid
+            os.kill(last, signal.SIGKILL)
+            assert _wait_gone(last, 10.0)
+            time.sleep(1.0)
+            assert service.pid == last and service.proc is not None and service.proc.poll() is not None
+        said = [r.getMessage() for r in caplog.records]
+        assert sum("starting it again" in m for m in said) == 3, said
+        assert any("it is not started again" in m for m in said), said
+    finally:
+        service.close()
