@@ -191,7 +191,7 @@ class ServiceProcess:
                 )  # fmt: skip
                 try:
                     self._launch()
-                except ConfigError as exc:
+                except Exception as exc:  # cannot listen, cannot start, or the interpreter ends
                     _log.warning(
                         "blobdata: %s; the other nodes read this node's objects from the bucket", exc
                     )
