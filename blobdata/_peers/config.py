@@ -88,11 +88,10 @@ class Peers:
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"Peers({name}=) must be an integer of at least {low}, got {value!r}")
-        for name, flag in (("serves", serves), ("service_process", service_process)):
-            if flag is not None and not isinstance(flag, bool):
-                raise ConfigError(f"Peers({name}=) must be True or False, got {flag!r}")
-        if service_process is None:
-            raise ConfigError("Peers(service_process=) must be True or False, got None")
+        if serves is not None and not isinstance(serves, bool):
+            raise ConfigError(f"Peers(serves=) must be True, False or None, got {serves!r}")
+        if not isinstance(service_process, bool):
+            raise ConfigError(f"Peers(service_process=) must be True or False, got {service_process!r}")
         if nnodes is not None and node_rank is not None and node_rank >= nnodes:
             raise ConfigError(f"Peers(node_rank={node_rank}) must be below nnodes={nnodes}")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:

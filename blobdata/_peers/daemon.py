@@ -95,8 +95,9 @@ class ServiceProcess:
         self._buf = b""
         self.address = ""
         self.note = ""  # its directory in the node's state ("": none could be made)
-        self.stats: list[Any] = []  # the records it counted into (kept mapped: read by the loaders)
-        self._told: list[tuple[dict[str, Any], str]] = []  # what it was told since it started
+        #: What it was told (the job's nodes, each dataset by root: the last message of each), for a
+        #: process started again to be told the same.
+        self._told: dict[str, tuple[dict[str, Any], str]] = {}
         self._lock = threading.RLock()  # one message and its answer at a time (datasets made in threads)
         self._closing = False
         self._restarts: list[float] = []
@@ -109,7 +110,7 @@ class ServiceProcess:
         """A new service process, listening on :attr:`host` and :attr:`port`, told what the previous one
         was told; raises ConfigError if it cannot start or listen."""
         answers_r, answers_w = os.pipe()
-        stats_fd, record = _stats.shared_record()
+        stats_fd, _ = _stats.shared_record()  # kept mapped there: the loaders read it
         env = dict(os.environ)
         # The parent's import path (a checkout on sys.path, a test's rootdir), as multiprocessing's
         # spawn passes it, so that the child imports the same blobdata.
@@ -141,8 +142,6 @@ class ServiceProcess:
             if self._answers >= 0:
                 os.close(self._answers)
         self.proc, self._answers, self._buf = proc, answers_r, b""
-        if record is not None:
-            self.stats.append(record)
         level = logging.getLogger("blobdata").getEffectiveLevel()
         start = {
             "op": "start",
@@ -158,7 +157,7 @@ class ServiceProcess:
                 raise ConfigError("peers: the node's peer service process answered its start wrongly")
             self.address, self.note = address, note
             self.port = int(address.rpartition(":")[2])  # a new one is started on the same port
-            for message, what in self._told:
+            for message, what in self._told.values():
                 self._exchange(message, what)
         except BaseException:
             self._end(0.5)
@@ -202,7 +201,7 @@ class ServiceProcess:
         an error, or if the child is gone or does not answer in time); told again to a new one."""
         with self._lock:
             answer = self._exchange(message, what)
-            self._told.append((message, what))
+            self._told[message["op"] + ":" + message.get("root", "")] = (message, what)
             return answer
 
     def _exchange(self, message: dict[str, Any], what: str) -> dict[str, Any]:
@@ -459,6 +458,10 @@ def main(answers: int, stats_fd: int, ppid: int) -> int:
                     service.homes, service.me = Homes(names), me
                 elif message["op"] == "source":
                     source = _Source(message)
+                    old = sources.pop(source.root, None)
+                    if old is not None:  # the same root again (a dataset made again): its engine goes
+                        with contextlib.suppress(Exception):
+                            old.engine.close()
                     sources[source.root] = source
                     service.add_source(source.root, source.cache, source, _fetch)
                 else:

@@ -38,6 +38,9 @@ def _folder(tmp_path: Path) -> str:
         ({"node_name": "a\nb"}, r"node_name=\) must be a non-empty printable string"),
         ({"per_peer": 0}, r"per_peer=\) must be an integer of at least 1"),
         ({"timeout": "soon"}, r"timeout=\) must be a duration"),
+        ({"serves": 1}, r"serves=\) must be True, False or None"),
+        ({"service_process": None}, r"service_process=\) must be True or False, got None"),
+        ({"service_process": "no"}, r"service_process=\) must be True or False"),
     ],
 )
 def test_bad_settings_are_refused_when_made(kwargs: dict[str, Any], message: str) -> None:

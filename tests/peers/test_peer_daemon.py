@@ -235,7 +235,9 @@ def test_a_service_process_that_ends_is_started_again_where_it_was(
     cache, url, identity, data = _home_object(tmp_path)
     service, secret = _met()
     try:
-        service.add_source("s3://bucket/train/", cache, EngineSpec(FetchOptions(), "s3", {"anon": True}))
+        for _ in range(2):  # the same dataset twice (made again): remembered once, to tell a new process
+            service.add_source("s3://bucket/train/", cache, EngineSpec(FetchOptions(), "s3", {"anon": True}))
+        assert len(service._told) == 2  # the job's nodes, the dataset
         assert _read_from(service, secret, url, identity, len(data)) == data
         address = service.address
         with caplog.at_level(logging.WARNING, logger="blobdata"):
