@@ -31,7 +31,9 @@ class CacheWriter:
     hundred objects per second, so committing each as it comes would double the cost of caching.
     Pending entries are flushed when the process exits normally, including DataLoader workers (a
     multiprocessing finalizer), within ``flush_timeout`` seconds. ``on_stored(n)`` is called from
-    the writer's thread after each commit with the number of entries it stored.
+    the writer's thread after each commit with the number of entries it stored, and
+    ``on_written(keys)`` with the ``(url, identity)`` of every entry the commit took up, stored or not
+    (and of an offer dropped, from the offering thread): those are no longer waiting.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class CacheWriter:
         linger: float = 0.2,
         flush_timeout: float = 4.0,
         on_stored: Callable[[int], None] | None = None,
+        on_written: Callable[[list[tuple[str, str]]], None] | None = None,
     ) -> None:
         self.cache = cache
         self.max_bytes = max_bytes
@@ -50,6 +53,7 @@ class CacheWriter:
         self.linger = linger
         self.flush_timeout = flush_timeout
         self.on_stored = on_stored
+        self.on_written = on_written
         self._since = 0.0  # when the oldest queued entry arrived (monotonic)
         self._flushing = 0  # threads waiting in flush(): commit at once, do not linger
         self.dropped = 0
@@ -63,16 +67,20 @@ class CacheWriter:
     def offer(self, url: str, identity: str, data: bytes) -> bool:
         """Queue ``data`` for the cache; False (and counted) if the queue is full."""
         with self._cond:
-            if self._bytes + len(data) > self.max_bytes and self._queue:
+            dropped = self._bytes + len(data) > self.max_bytes and bool(self._queue)
+            if dropped:
                 self.dropped += 1
-                return False
-            first = not self._queue
-            if first:
-                self._since = time.monotonic()
-            self._queue.append((url, identity, data))
-            self._bytes += len(data)
-            if first or len(self._queue) >= self.batch:  # start the linger clock, or commit now
-                self._cond.notify()
+            else:
+                first = not self._queue
+                if first:
+                    self._since = time.monotonic()
+                self._queue.append((url, identity, data))
+                self._bytes += len(data)
+                if first or len(self._queue) >= self.batch:  # start the linger clock, or commit now
+                    self._cond.notify()
+        if dropped:
+            self._written([(url, identity)])
+            return False
         if self._thread is None or self._pid != _process.pid():
             self._start()
         return True
@@ -116,6 +124,14 @@ class CacheWriter:
                     self._bytes -= sum(len(d) for _, _, d in todo)
                     self._busy = False
                     self._cond.notify_all()
+                self._written([(u, e) for u, e, _ in todo])
+
+    def _written(self, keys: list[tuple[str, str]]) -> None:
+        if self.on_written is not None:
+            try:
+                self.on_written(keys)
+            except Exception as exc:  # the writer goes on whatever its listener does
+                _log.debug("blobdata cache %s: on_written failed (%s)", self.cache.directory, exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything offered so far is written; False if ``timeout`` passed first."""

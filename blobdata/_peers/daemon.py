@@ -473,6 +473,7 @@ def main(answers: int, stats_fd: int, ppid: int) -> int:
     finally:
         with contextlib.suppress(Exception):
             run(service.server.aclose(), 5.0)
+        service.flush(5.0)  # what was read for the peers goes into the cache (its writer's atexit too)
         for source in sources.values():
             with contextlib.suppress(Exception):
                 source.engine.close()

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -991,6 +992,27 @@ def test_cache_writer_batches_in_the_background_and_drops_when_full(tmp_path: Pa
     # nothing waits any more: a later offer is accepted and written
     assert writer.offer("s3://b/late", "e", b"z" * 1000)
     assert writer.flush(10.0) and cache.get("s3://b/late", "e") == b"z" * 1000
+
+
+def test_cache_writer_says_which_entries_no_longer_wait_committed_or_dropped(tmp_path: Path) -> None:
+    cache = BlobCache(tmp_path / "c", size_limit="10MB")
+    told: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def written(keys: list[tuple[str, str]]) -> None:
+        with lock:
+            told.extend(keys)
+
+    writer = CacheWriter(cache, max_bytes=300_000, batch=8, on_written=written)
+    offered = [writer.offer(f"s3://b/k{i}", "e", bytes([i]) * 100_000) for i in range(20)]
+    assert writer.flush(10.0)
+    assert sorted(told) == sorted((f"s3://b/k{i}", "e") for i in range(20))  # each once, both kinds
+    for i, ok in enumerate(offered):  # told of a committed one only once it is in the cache
+        assert (cache.get(f"s3://b/k{i}", "e") is not None) == ok
+    # a listener that fails does not stop the writer
+    broken = CacheWriter(cache, on_written=lambda keys: 1 / 0)
+    assert broken.offer("s3://b/after", "e", b"y" * 1000)
+    assert broken.flush(10.0) and cache.get("s3://b/after", "e") == b"y" * 1000
 
 
 class _CountingCache(BlobCache):

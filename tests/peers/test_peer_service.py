@@ -127,8 +127,9 @@ def test_a_signed_request_gets_the_object_read_once_then_from_the_cache(served: 
         status, table, body = _answer(served.port, target)
         assert status == 200 and body == payload(int(url.rsplit("/", 1)[1][:4]))
         assert table == f"{origin[0]}{size}.{crc_text(body)}"
-    assert _gets(served.proxy) == 1  # read from the bucket once; cached before it was answered
-    assert served.cache.get(url, ident) is not None
+    assert _gets(served.proxy) == 1  # read from the bucket once; kept until the cache has it
+    assert served.service.flush(10.0) and served.cache.get(url, ident) is not None
+    assert served.service.state()["unwritten"] == 0
 
 
 def test_an_unauthenticated_request_is_refused_and_reads_nothing(served: Served) -> None:
@@ -339,6 +340,30 @@ def test_a_batch_is_answered_in_order_each_object_from_the_cache_or_read_once(se
         f"{e[0]}{len(w)}.{crc_text(w)}" for e, w in zip(table.split(" "), want, strict=True)
     ]
     assert _gets(served.proxy) == 3  # a once, then b and c once each
+
+
+def test_objects_read_together_are_cached_in_one_transaction_before_they_are_answered(served: Served) -> None:
+    commits: list[int] = []
+    put_many = served.cache.put_many
+
+    def counted(items: Any) -> list[bool]:
+        if not commits:  # the first commit waits until all eight are read (they are offered as read)
+            deadline = time.monotonic() + 20.0
+            while len(served.service._recent) < 8 and time.monotonic() < deadline:
+                time.sleep(0.005)
+        commits.append(len(items))
+        return put_many(items)
+
+    served.cache.put_many = counted  # type: ignore[method-assign]  # the real cache, its commits counted
+    asked = served.objects[:8]
+    status, table, body = _answer(served.port, _batch(*asked))
+    assert status == 200 and [e[0] for e in table.split(" ")] == ["b"] * 8
+    assert body == b"".join(payload(_number(u)) for u, _, _ in asked)
+    # in the cache before the answer: no flush, no wait
+    assert [served.cache.get(u, e) for u, e, _ in asked] == [payload(_number(u)) for u, _, _ in asked]
+    assert served.service.state()["unwritten"] == 0
+    assert sum(commits) == 8 and len(commits) <= 2, commits  # what waited went in one, not one each
+    assert _gets(served.proxy) == 8
 
 
 def test_a_batch_with_one_object_outside_or_of_another_home_is_refused_whole(
