@@ -17,6 +17,7 @@
 #            (with the service also in a thread of the training process), a 40 ms step with persistent
 #            workers; bytes only, 4,800 objects, 4 epochs; then bench_peer_service.py at 8,000 reads/s
 #            (the service in a thread against its own process, while a training loop takes batches)
+#            and bench_peer_cold.py (a first epoch's reads through the service: its concurrency)
 #   check    only the set-up and the imports (seconds): run it first if the machine's image changed
 #
 # .carry holds what the machine lacks: SeaweedFS's `weed` (xz), botocore pruned to the services blobdata
@@ -143,6 +144,8 @@ peers)
             --workers 1 --no-decode --jobs peers,partitioned --json "$RESULTS/peers.json"
         run peer-service 120 python3 benchmarks/bench_peer_service.py --objects 200 --rate 400 --batches 12 \
             --rounds 1 --json "$RESULTS/peer-service.json"
+        run peer-cold 60 python3 benchmarks/bench_peer_cold.py --objects 60 --inflight 32 --concurrency 4 \
+            --rounds 1 --json "$RESULTS/peer-cold.json"
     else
         common=(--no-decode --objects 4800 --epochs 4 --jobs peers,partitioned)
         run peers-flat 170 python3 benchmarks/bench_peers.py "${common[@]}" --json "$RESULTS/peers-flat.json"
@@ -152,6 +155,8 @@ peers)
             --persistent-workers --json "$RESULTS/peers-step-persistent.json"
         run peer-service 100 python3 benchmarks/bench_peer_service.py --rate 8000 \
             --json "$RESULTS/peer-service.json"
+        run peer-cold 90 python3 benchmarks/bench_peer_cold.py --objects 4000 --inflight 1024 \
+            --json "$RESULTS/peer-cold.json"
     fi
     ;;
 *)

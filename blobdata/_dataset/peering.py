@@ -12,7 +12,16 @@ from typing import Any
 from .._cache import BlobCache
 from .._errors import ConfigError
 from .._metrics import stats as _stats
-from .._peers import EngineSpec, PeerClient, Peers, PeerTable, join, peers_setting, serve
+from .._peers import (
+    SERVICE_READERS,
+    EngineSpec,
+    PeerClient,
+    Peers,
+    PeerTable,
+    join,
+    peers_setting,
+    serve,
+)
 from .._url import printable
 from .reads import Objects, ProcessState
 
@@ -38,7 +47,9 @@ def join_peers(ds: Any, peers: bool | Peers | None, cache: BlobCache | None) -> 
         return None
     table = join(setting)
     if table is not None:
-        engine = EngineSpec(ds.fetch_options, ds._protocol, ds._storage_options)
+        options = ds.fetch_options
+        readers = setting.service_concurrency or SERVICE_READERS * options.concurrency
+        engine = EngineSpec(options.replace(concurrency=readers), ds._protocol, ds._storage_options)
         serve(table, ds._url, cache, ds, serve_peer, engine)
     return table
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from .auth import Refused, Signer, Verifier, job_id
 from .client import PeerClient
-from .config import PEERS_LOOKAHEAD, Peers, PeerTable, peers_setting
+from .config import PEERS_LOOKAHEAD, SERVICE_READERS, Peers, PeerTable, peers_setting
 from .daemon import EngineSpec, ServiceProcess
 from .homes import Homes
 from .rendezvous import join, serve, service_of
@@ -33,6 +33,7 @@ __all__ = [
     "EngineSpec",
     "ServiceProcess",
     "PEERS_LOOKAHEAD",
+    "SERVICE_READERS",
     "Homes",
     "PeerClient",
     "PeerTable",

@@ -10,13 +10,20 @@ from typing import Any
 from .._config import env, parse_duration
 from .._errors import ConfigError
 
-__all__ = ["PEERS_LOOKAHEAD", "PeerTable", "Peers", "peers_setting"]
+__all__ = ["PEERS_LOOKAHEAD", "SERVICE_READERS", "PeerTable", "Peers", "peers_setting"]
 
 #: The look-ahead of a dataset with peers, unless one is given (``FetchOptions(lookahead=...)``): the
 #: default 1,024 samples cover the bucket's tens of milliseconds, and a peer answers in one or a few.
 #: With 1,024, each process asked for most of its epoch at the epoch's first batch, and that burst of
 #: reads (the CPU of every node at once) was what the first batches waited for.
 PEERS_LOOKAHEAD = 256
+
+#: The node's service reads from the bucket, for the objects its cache lacks, with the concurrency of
+#: this many of the node's processes (``Peers(service_concurrency=)`` unless given): in a job's first
+#: epoch it reads the node's share of every node's samples, as much as a whole node reads without
+#: peers. With one process's 64 it was the job's limit there: a node that reads 1,000 samples a second
+#: from a bucket 60 ms away has 60 reads in flight, and its service as many for the others.
+SERVICE_READERS = 8
 
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -50,6 +57,12 @@ class Peers:
                     service takes 1,024 objects in flight from each asking node (64 processes at the
                     default): beyond that, the rest are told busy and read the bucket.
     timeout:        how long the nodes wait for each other at the rendezvous (default 600 s).
+    service_concurrency: requests the node's service has in flight to the bucket at most, for the
+                    objects its cache lacks (a job's first epoch): it reads the node's share of every
+                    node's samples, as many as all the node's processes read without peers (default:
+                    :data:`SERVICE_READERS` times the dataset's ``FetchOptions(concurrency=)``, 512 at
+                    its default; the node's throttle state slows it where the store asks). With
+                    ``service_process=False`` the serving process's own engine reads them.
     """
 
     store: Any = None
@@ -64,6 +77,7 @@ class Peers:
     per_peer: int = 16
     timeout: float = 600.0
     service_process: bool = True
+    service_concurrency: int | None = None
 
     def __init__(
         self,
@@ -80,11 +94,13 @@ class Peers:
         per_peer: int = 16,
         timeout: float | str = 600.0,
         service_process: bool = True,
+        service_concurrency: int | None = None,
     ) -> None:
         for name, value, low in (
             ("nnodes", nnodes, 1),
             ("node_rank", node_rank, 0),
             ("per_peer", per_peer, 1),
+            ("service_concurrency", service_concurrency, 1),
         ):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ConfigError(f"Peers({name}=) must be an integer of at least {low}, got {value!r}")
@@ -104,6 +120,7 @@ class Peers:
             "store": store, "nnodes": nnodes, "node_rank": node_rank, "host": host, "port": port,
             "advertise": advertise, "node_name": node_name, "serves": serves, "job": job,
             "per_peer": per_peer, "service_process": service_process,
+            "service_concurrency": service_concurrency,
             "timeout": parse_duration(timeout, name="Peers(timeout=)"),
         }  # fmt: skip
         for name, value in values.items():

@@ -63,6 +63,23 @@ def test_bench_peer_read_small(tmp_path: Path) -> None:
         assert r["peer_us"] == pytest.approx(r["service_us"] + r["asker_us"])
 
 
+@pytest.mark.timeout(120)
+def test_bench_peer_cold_small(tmp_path: Path) -> None:
+    """benchmarks/bench_peer_cold.py: fresh objects read through the node's real service process, with
+    one process's concurrency and with the default's, and from the bucket directly: every object read
+    from the bucket once (and again only where the asker hedged), the rates and their ratios printed."""
+    args = ["--objects", "60", "--inflight", "32", "--concurrency", "4", "--rounds", "1", "--size", "2000"]
+    printed, doc = _bench("bench_peer_cold.py", args, tmp_path / "out.json", 100)
+    from blobdata._peers import SERVICE_READERS
+
+    settings = ["service, 4", f"service, {SERVICE_READERS * 4}", "no peers"]
+    assert list(doc["results"]) == settings and "medians, objects/s" in printed
+    for setting in settings:
+        ((got,),) = [doc["results"][setting]]
+        assert got["per_s"] > 0
+        assert 60 <= got["gets"] <= 60 + got["hedged"], setting
+
+
 @pytest.mark.timeout(150)
 def test_bench_peer_service_small(tmp_path: Path) -> None:
     """benchmarks/bench_peer_service.py: the training loop's batches timed with node 0's service in a

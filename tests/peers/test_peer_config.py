@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from blobdata import ConfigError, FolderDataset, Peers
+from blobdata import ConfigError, FetchOptions, FolderDataset, Peers
 from blobdata._loop import run
-from blobdata._peers import Service, ServiceProcess, join, peers_setting, service_of
+from blobdata._peers import SERVICE_READERS, Service, ServiceProcess, join, peers_setting, service_of
 
 SECRET_KEY = "blobdata/peers/v1/"  # the meeting's keys: this, then 16 hex digits of the job's hash
 
@@ -41,6 +41,8 @@ def _folder(tmp_path: Path) -> str:
         ({"serves": 1}, r"serves=\) must be True, False or None"),
         ({"service_process": None}, r"service_process=\) must be True or False, got None"),
         ({"service_process": "no"}, r"service_process=\) must be True or False"),
+        ({"service_concurrency": 0}, r"service_concurrency=\) must be an integer of at least 1"),
+        ({"service_concurrency": 2.5}, r"service_concurrency=\) must be an integer"),
     ],
 )
 def test_bad_settings_are_refused_when_made(kwargs: dict[str, Any], message: str) -> None:
@@ -183,3 +185,35 @@ def test_a_meeting_leaves_a_note_of_the_service_in_the_nodes_directory_and_no_se
             service.close()
         else:
             run(service.server.aclose())
+
+
+@pytest.mark.parametrize(("given", "want"), [(None, SERVICE_READERS * 48), (300, 300)])
+def test_the_nodes_service_reads_the_bucket_with_the_concurrency_of_many_processes(
+    tmp_path: Path, s3_bucket: Any, given: int | None, want: int
+) -> None:
+    """In a job's first epoch the service reads the node's share of every node's samples: it is told
+    to read with the concurrency of :data:`SERVICE_READERS` processes (or as given), not of one."""
+    import hashlib
+
+    s3_bucket.put("train/c/x.bin", b"x")
+    store = dist.HashStore()
+    job = f"readers-{os.urandom(4).hex()}"
+    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    store.set(
+        prefix + "node/1", json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"})
+    )
+    peers = Peers(
+        store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5, service_concurrency=given
+    )
+    ds = FolderDataset(
+        s3_bucket.url("train"), extensions=(".bin",), cache=str(tmp_path / "cache"), peers=peers,
+        storage_options=s3_bucket.storage_options, fetch_options=FetchOptions(concurrency=48),
+    )  # fmt: skip
+    service = service_of(ds._peers)
+    assert isinstance(service, ServiceProcess)
+    try:
+        told = [m for m, _ in service._told.values() if m["op"] == "source"]
+        assert [m["options"]["concurrency"] for m in told] == [want]
+        assert ds.fetch_options.concurrency == 48  # the dataset's own processes: as given
+    finally:
+        service.close()
