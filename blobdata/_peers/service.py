@@ -111,19 +111,24 @@ class Service:
         self._recent_bytes = 0
         self._loop: asyncio.AbstractEventLoop | None = None  # the service's, once it read an object
         self._committing: dict[tuple[str, str], asyncio.Future[None]] = {}  # offered to a writer
+        self._writers: dict[tuple[str, int, str], CacheWriter] = {}  # by cache (directory, limit, policy)
         self.refused: collections.Counter[str] = collections.Counter()  # reason -> requests
 
     def add_source(self, root: str, cache: BlobCache, owner: Any, fetch: Fetch) -> None:
         """Serve the objects below ``root`` (``owner``'s URL) from ``cache``, read by ``fetch``."""
         prefix = root if root.endswith("/") else root + "/"
         self.sources = [s for s in self.sources if s.owner() is not None and s.root != prefix]
-        writer = CacheWriter(cache, linger=0.0, on_written=self._on_written)
+        # One writer (and its thread) per cache, however often a dataset on it is made again.
+        writer = self._writers.get(cache.__getstate__())
+        if writer is None:
+            writer = CacheWriter(cache, linger=0.0, on_written=self._on_written)
+            self._writers[cache.__getstate__()] = writer
         self.sources.append(Source(prefix, cache, weakref.ref(owner), fetch, writer))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what was read from the bucket so far is in the caches; False if ``timeout``
-        (seconds, per source) passed first."""
-        return all([s.writer.flush(timeout) for s in self.sources])
+        (seconds, per cache) passed first."""
+        return all([w.flush(timeout) for w in self._writers.values()])
 
     def _source_of(self, url: str) -> tuple[Source, Any] | None:
         """The source ``url`` is an object of, and its dataset; None if none (or a key that is not a

@@ -366,6 +366,21 @@ def test_objects_read_together_are_cached_in_one_transaction_before_they_are_ans
     assert _gets(served.proxy) == 8
 
 
+def test_a_dataset_made_again_on_the_same_cache_keeps_its_one_writer(served: Served) -> None:
+    (source,) = served.service.sources
+    writer = source.writer
+    for _ in range(3):  # the dataset made again: the same root, cache and way to read
+        served.service.add_source(source.root, served.cache, source.owner(), source.fetch)
+    (again,) = served.service.sources
+    assert again.writer is writer and list(served.service._writers.values()) == [writer]
+    url, ident, size = served.objects[0]
+    status, table, body = _answer(served.port, _target(url, ident, size))
+    assert status == 200 and table[0] == "b" and served.cache.get(url, ident) == body
+    other = BlobCache(Path(served.cache.directory).parent / "other")
+    served.service.add_source(source.root, other, source.owner(), source.fetch)  # another cache: its own
+    assert served.service.sources[0].writer is not writer and len(served.service._writers) == 2
+
+
 def test_a_batch_with_one_object_outside_or_of_another_home_is_refused_whole(
     served: Served, s3_bucket: Any
 ) -> None:
