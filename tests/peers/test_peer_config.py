@@ -106,6 +106,22 @@ def test_a_node_that_never_comes_is_named() -> None:
         join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job="late", timeout=1))
 
 
+_OTHER = json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"}).encode()
+
+
+def _node_1_came(name: str, entry: bytes = _OTHER) -> tuple[Any, str, str]:
+    """A store, a fresh job ``name-...`` of 2 nodes in it whose node 1 has left ``entry`` (by
+    default a node whose service never answers: node 0's meeting completes at once), and the job's
+    prefix of keys in the store."""
+    import hashlib
+
+    store = dist.HashStore()
+    job = f"{name}-{os.urandom(4).hex()}"
+    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    store.set(prefix + "node/1", entry)
+    return store, job, prefix
+
+
 @pytest.mark.parametrize(
     "entry",
     [
@@ -117,25 +133,14 @@ def test_a_node_that_never_comes_is_named() -> None:
     ],
 )
 def test_a_nodes_entry_is_checked_as_it_is_read(entry: bytes) -> None:
-    import hashlib
-
-    store = dist.HashStore()
-    job = f"entry-{os.urandom(4).hex()}"
-    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
-    store.set(prefix + "node/1", entry)
+    store, job, _ = _node_1_came("entry", entry)
     with pytest.raises(ConfigError, match=r"node 1's entry in the job's store|node 1's address .* bytes"):
         join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
 
 
 def test_node_names_must_be_distinct() -> None:
-    import hashlib
-
-    store = dist.HashStore()
-    job = f"dup-{os.urandom(4).hex()}"
-    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
-    store.set(
-        prefix + "node/1", json.dumps({"name": "127.0.0.1", "address": "1.2.3.4:5", "local": "1.2.3.4:5"})
-    )
+    same = json.dumps({"name": "127.0.0.1", "address": "1.2.3.4:5", "local": "1.2.3.4:5"}).encode()
+    store, job, _ = _node_1_came("dup", same)
     with pytest.raises(ConfigError, match="names are not distinct"):
         join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
 
@@ -144,14 +149,7 @@ def test_node_names_must_be_distinct() -> None:
 def test_a_meeting_leaves_a_note_of_the_service_in_the_nodes_directory_and_no_secret(
     own_process: bool,
 ) -> None:
-    import hashlib
-
-    store = dist.HashStore()
-    job = f"note-{os.urandom(4).hex()}"
-    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
-    store.set(
-        prefix + "node/1", json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"})
-    )
+    store, job, prefix = _node_1_came("note")
     config = Peers(
         store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5, service_process=own_process
     )
@@ -193,15 +191,8 @@ def test_the_nodes_service_reads_the_bucket_with_the_concurrency_of_many_process
 ) -> None:
     """In a job's first epoch the service reads the node's share of every node's samples: it is told
     to read with the concurrency of :data:`SERVICE_READERS` processes (or as given), not of one."""
-    import hashlib
-
     s3_bucket.put("train/c/x.bin", b"x")
-    store = dist.HashStore()
-    job = f"readers-{os.urandom(4).hex()}"
-    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
-    store.set(
-        prefix + "node/1", json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"})
-    )
+    store, job, _ = _node_1_came("readers")
     peers = Peers(
         store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5, service_concurrency=given
     )
