@@ -44,20 +44,19 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any, NamedTuple
 
-from .. import _process
 from .._cache import BlobCache
 from .._config import FetchOptions
 from .._errors import ConfigError
 from .._loop import run
 from .._metrics import stats as _stats
-from .._node import make_locked_dir, write_own
 from .._url import printable
 from .auth import job_id
-from .service import Service
+from .service import Service, address_of, leave_note
 
-__all__ = ["EngineSpec", "ServiceProcess", "address_of", "leave_note", "main", "start"]
+__all__ = ["EngineSpec", "ServiceProcess", "main", "start"]
 
 _log = logging.getLogger("blobdata")
 
@@ -101,6 +100,10 @@ class ServiceProcess:
         self._lock = threading.RLock()  # one message and its answer at a time (datasets made in threads)
         self._closing = False
         self._restarts: list[float] = []
+        self._gen = 0  # numbers the datasets told of, so that one gone never drops a later one's root
+        #: ``(root, number)`` of datasets gone (appended by their finalizers, which neither lock nor
+        #: write: one may run in the middle of an exchange), told to the child before the next message.
+        self._gone: list[tuple[str, int]] = []
 
     @property
     def pid(self) -> int:
@@ -200,9 +203,22 @@ class ServiceProcess:
         """``message`` to the child, and its answer (raised as a ConfigError naming ``what`` if it is
         an error, or if the child is gone or does not answer in time); told again to a new one."""
         with self._lock:
+            while self._gone:
+                self._drop(*self._gone.pop())
             answer = self._exchange(message, what)
             self._told[message["op"] + ":" + message.get("root", "")] = (message, what)
             return answer
+
+    def _drop(self, root: str, number: int) -> None:
+        """The child stops serving ``root`` and closes its engine, if the dataset told of last there
+        is the ``number``-th, which is gone (locked)."""
+        key = "source:" + root
+        told = self._told.get(key)
+        if told is None or told[0]["number"] != number:
+            return  # a dataset made since told of the same root
+        del self._told[key]
+        with contextlib.suppress(ConfigError):  # the child is gone, or does not answer: it ends anyway
+            self._exchange({"op": "drop", "root": root, "number": number}, told[1] + " (gone)")
 
     def _exchange(self, message: dict[str, Any], what: str) -> dict[str, Any]:
         try:
@@ -260,15 +276,21 @@ class ServiceProcess:
         """The job's nodes met: serve the objects node ``me`` is home for."""
         self._send({"op": "homes", "names": list(names), "me": me}, "the job's nodes")
 
-    def add_source(self, root: str, cache: BlobCache, engine: EngineSpec) -> None:
-        """Serve the objects below ``root`` from ``cache``, read by an engine made from ``engine``."""
+    def add_source(self, root: str, cache: BlobCache, engine: EngineSpec, owner: Any = None) -> None:
+        """Serve the objects below ``root`` from ``cache``, read by an engine made from ``engine``; until
+        ``owner`` (the dataset) is gone, where given."""
         directory, limit, policy = cache.__getstate__()  # what a worker's copy of the cache is made from
-        message = {
-            "op": "source", "root": root, "cache": [directory, limit, policy],
-            "options": dataclasses.asdict(engine.options), "protocol": engine.protocol,
-            "storage_options": engine.storage_options,
-        }  # fmt: skip
-        self._send(message, f"the dataset {printable(root)}")
+        with self._lock:
+            self._gen += 1
+            number = self._gen
+            message = {
+                "op": "source", "root": root, "cache": [directory, limit, policy], "number": number,
+                "options": dataclasses.asdict(engine.options), "protocol": engine.protocol,
+                "storage_options": engine.storage_options,
+            }  # fmt: skip
+            self._send(message, f"the dataset {printable(root)}")
+        if owner is not None:  # at exit the child ends with its parent: nothing to tell it then
+            weakref.finalize(owner, self._gone.append, (root, number)).atexit = False
 
     def close(self, timeout: float = 5.0) -> None:
         """Tell the child to end (its stdin closed) and wait for it; killed if it does not end in time.
@@ -303,23 +325,6 @@ def start(secret: bytes, host: str, port: int) -> ServiceProcess:
         handle._launch()
     threading.Thread(target=handle._watch, name="blobdata-peer-service", daemon=True).start()
     return handle
-
-
-def address_of(host: str, port: int) -> str:
-    """``host:port`` (an IPv6 host in brackets)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def leave_note(service: Service) -> None:
-    """A note of ``service`` (its job's public id, address, process) in the node's directory, for
-    whoever looks (best effort: none where the directory cannot be made)."""
-    try:
-        directory, lock = make_locked_dir("peers")
-        service.note = (directory, lock)
-        note = {"job": service.verifier.job, "address": service.address, "pid": _process.pid()}
-        write_own(os.path.join(directory, "service.json"), json.dumps(note).encode())
-    except OSError:
-        pass
 
 
 # -- the child ---------------------------------------------------------------------------------------
@@ -376,14 +381,15 @@ class _Source:
         from .._fetch import FetchEngine
         from .._stores import resolve_storage_options
 
-        root, state, options, protocol, storage = _typed(
-            message, root=str, cache=list, options=dict, protocol=str, storage_options=dict
+        root, state, options, protocol, storage, number = _typed(
+            message, root=str, cache=list, options=dict, protocol=str, storage_options=dict, number=int
         )
         if not (len(state) == 3 and isinstance(state[0], str) and type(state[1]) is int):
             raise ValueError("'cache' is not [directory, size limit, policy]")
         if state[2] not in ("admit", "lru"):
             raise ValueError(f"cache policy {state[2]!r}")
         self.root = root
+        self.number = number  # the parent's count of the datasets it told of: a drop names it
         self.cache = BlobCache.__new__(BlobCache)
         self.cache.__setstate__((state[0], state[1], state[2]))  # as a worker's copy is made
         opts = resolve_storage_options(protocol, storage)
@@ -456,6 +462,14 @@ def main(answers: int, stats_fd: int, ppid: int) -> int:
                     if not all(isinstance(n, str) for n in names) or not 0 <= me < len(names):
                         raise ValueError("'names' are not the job's node names with 'me' among them")
                     service.homes, service.me = Homes(names), me
+                elif message["op"] == "drop":
+                    root, number = _typed(message, root=str, number=int)
+                    gone = sources.get(root)
+                    if gone is not None and gone.number == number:
+                        del sources[root]
+                        service.drop_source(root)
+                        with contextlib.suppress(Exception):
+                            gone.engine.close()
                 elif message["op"] == "source":
                     source = _Source(message)
                     old = sources.pop(source.root, None)

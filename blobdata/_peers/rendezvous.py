@@ -34,9 +34,9 @@ from .._errors import ConfigError
 from .._listing import dist_info
 from .._loop import run
 from .config import Peers, PeerTable
-from .daemon import EngineSpec, ServiceProcess, address_of, leave_note, start
+from .daemon import EngineSpec, ServiceProcess, start
 from .homes import Homes
-from .service import Fetch, Service
+from .service import Fetch, Service, address_of, leave_note
 
 __all__ = ["join", "serve", "service_of"]
 
@@ -218,4 +218,4 @@ def serve(
     if isinstance(service, Service):
         service.add_source(root, cache, owner, fetch)
     elif service is not None:
-        service.add_source(root, cache, engine)
+        service.add_source(root, cache, engine, owner)

@@ -32,21 +32,28 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import os
 import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, cast
 from urllib.parse import unquote
 
+from .. import _process
 from .._cache import BlobCache, CacheWriter, checksum
 from .._errors import BlobdataError, ConfigError
 from .._metrics import stats as _stats
+from .._node import make_locked_dir, write_own
 from .._url import safe_relpath
 from .auth import Refused, Verifier
 from .homes import Homes
 from .server import Reply, Request, Server, plain
 
-__all__ = ["MAX_OBJECTS", "MAX_TARGET", "PATH", "RECENT_BYTES", "Service", "Source", "crc_text"]
+__all__ = [
+    "MAX_OBJECTS", "MAX_TARGET", "PATH", "RECENT_BYTES", "Service", "Source", "address_of", "crc_text",
+    "leave_note",
+]  # fmt: skip
 
 PATH = "/blobdata/v1/object"
 RECENT_BYTES = 64 * 2**20
@@ -124,6 +131,11 @@ class Service:
             writer = CacheWriter(cache, linger=0.0, on_written=self._on_written)
             self._writers[cache.__getstate__()] = writer
         self.sources.append(Source(prefix, cache, weakref.ref(owner), fetch, writer))
+
+    def drop_source(self, root: str) -> None:
+        """Serve the objects below ``root`` no more (its dataset is gone)."""
+        prefix = root if root.endswith("/") else root + "/"
+        self.sources = [s for s in self.sources if s.root != prefix]
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until what was read from the bucket so far is in the caches; False if ``timeout``
@@ -332,3 +344,20 @@ class Service:
             "unwritten": len(self._committing),
             "refused": dict(self.refused),
         }
+
+
+def address_of(host: str, port: int) -> str:
+    """``host:port`` (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def leave_note(service: Service) -> None:
+    """A note of ``service`` (its job's public id, address, process) in the node's directory, for
+    whoever looks (best effort: none where the directory cannot be made)."""
+    try:
+        directory, lock = make_locked_dir("peers")
+        service.note = (directory, lock)
+        note = {"job": service.verifier.job, "address": service.address, "pid": _process.pid()}
+        write_own(os.path.join(directory, "service.json"), json.dumps(note).encode())
+    except OSError:
+        pass

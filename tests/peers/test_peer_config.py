@@ -3,6 +3,7 @@ argument or one variable, a meeting that names the node that never came, entries
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -206,5 +207,11 @@ def test_the_nodes_service_reads_the_bucket_with_the_concurrency_of_many_process
         told = [m for m, _ in service._told.values() if m["op"] == "source"]
         assert [m["options"]["concurrency"] for m in told] == [want]
         assert ds.fetch_options.concurrency == 48  # the dataset's own processes: as given
+        # A dataset gone: its root is dropped before the service is told anything else.
+        root = told[0]["root"]
+        del ds
+        gc.collect()
+        service.set_homes(("127.0.0.1", "other"), 0)
+        assert not [m for m, _ in service._told.values() if m["op"] == "source"], root
     finally:
         service.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import numpy as np
 import pytest
@@ -25,7 +27,18 @@ from blobdata import ConfigError, FetchOptions
 from blobdata._cache import BlobCache
 from blobdata._loop import run
 from blobdata._metrics import stats as _stats
-from blobdata._peers import EngineSpec, Homes, PeerClient, Peers, PeerTable, ServiceProcess, join, service_of
+from blobdata._peers import (
+    PATH,
+    EngineSpec,
+    Homes,
+    PeerClient,
+    Peers,
+    PeerTable,
+    ServiceProcess,
+    Signer,
+    join,
+    service_of,
+)
 from blobdata._peers.daemon import start
 
 pytestmark = pytest.mark.timeout(120)
@@ -137,7 +150,7 @@ def test_settings_that_cannot_be_sent_are_refused_naming_the_dataset(tmp_path: P
         # Checked by the child as it reads them: its own error comes back, naming what was sent.
         bad = {
             "op": "source", "root": "s3://bucket/other/", "cache": [str(tmp_path / "c"), 1, "fifo"],
-            "options": {}, "protocol": "s3", "storage_options": {},
+            "options": {}, "protocol": "s3", "storage_options": {}, "number": 1,
         }  # fmt: skip
         with pytest.raises(ConfigError, match=r"peers: the dataset s3://bucket/other/: ValueError: .*'fifo'"):
             service._send(bad, "the dataset s3://bucket/other/")
@@ -260,5 +273,60 @@ def test_a_service_process_that_ends_is_started_again_where_it_was(
         said = [r.getMessage() for r in caplog.records]
         assert sum("starting it again" in m for m in said) == 3, said
         assert any("it is not started again" in m for m in said), said
+    finally:
+        service.close()
+
+
+def _status(service: ServiceProcess, secret: bytes, url: str, identity: str, size: int) -> int:
+    """The status of node 1's signed request for ``url`` to ``service``."""
+    target = f"{PATH}?u={quote(url, safe='')}&e={quote(identity, safe='')}&n={size}"
+    headers, _ = Signer(secret, "other").sign("GET", target)
+    host, _, port = service.address.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", target, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+def test_a_dataset_gone_is_served_no_more_and_never_takes_a_later_ones_root_with_it(tmp_path: Path) -> None:
+    """The service's process holds an engine per dataset root: one whose dataset is gone is dropped
+    (told before the next message: a finalizer neither locks nor writes), and not told to a process
+    started again; a dataset made again on the same root keeps it served when the first one goes."""
+    import gc
+
+    class Dataset:  # what the parent's datasets are to the handle: owners, held weakly
+        pass
+
+    cache, url, identity, data = _home_object(tmp_path)
+    service, secret = _met()
+    spec = EngineSpec(FetchOptions(), "s3", {"anon": True})
+    try:
+        first, second = Dataset(), Dataset()
+        service.add_source("s3://bucket/train/", cache, spec, first)
+        service.add_source("s3://bucket/train/", cache, spec, second)  # made again: the same root
+        del first
+        gc.collect()
+        service.add_source("s3://bucket/other/", cache, spec)  # the next message: what went is told first
+        assert _status(service, secret, url, identity, len(data)) == 200  # the later one's: kept
+        assert "source:s3://bucket/train/" in service._told
+        del second
+        gc.collect()
+        assert _status(service, secret, url, identity, len(data)) == 200  # not told yet
+        service.set_homes(("127.0.0.1", "other"), 0)
+        assert _status(service, secret, url, identity, len(data)) == 404  # not an object of its datasets
+        assert "source:s3://bucket/train/" not in service._told
+        first_pid = service.pid
+        os.kill(first_pid, signal.SIGKILL)  # started again: told of what is left only
+        deadline = time.monotonic() + 30
+        while service.pid == first_pid and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with service._lock:
+            pass
+        assert service.pid != first_pid
+        assert _status(service, secret, url, identity, len(data)) == 404
     finally:
         service.close()
