@@ -124,7 +124,8 @@ class CacheWriter:
                     self._bytes -= sum(len(d) for _, _, d in todo)
                     self._busy = False
                     self._cond.notify_all()
-                self._written([(u, e) for u, e, _ in todo])
+                if self.on_written is not None:  # (a worker's writer has none: no list per commit)
+                    self._written([(u, e) for u, e, _ in todo])
 
     def _written(self, keys: list[tuple[str, str]]) -> None:
         if self.on_written is not None:

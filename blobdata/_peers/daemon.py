@@ -19,7 +19,8 @@ of their own. The child:
 - is told the job's nodes once they met (``homes``), then each dataset to serve (``source``: its root,
   its cache, and how to read it from the bucket: fetch options, protocol and storage options, from
   which it makes a fetch engine of its own: the node's throttle state toward the bucket is shared
-  through the node's directory as between any of the node's processes);
+  through the node's directory as between any of the node's processes), and each dataset that is
+  gone from the parent (``drop``: its root, unless a dataset made since took it over);
 - counts its work into a stats record the parent mapped before starting it (a ``memfd``), which the
   parent's loaders add to their own (:func:`~blobdata._metrics.stats.shared_record`);
 - ignores Ctrl-C (the parent's to handle) and ends when the parent goes: its stdin ends (the parent

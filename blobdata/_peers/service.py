@@ -124,7 +124,8 @@ class Service:
     def add_source(self, root: str, cache: BlobCache, owner: Any, fetch: Fetch) -> None:
         """Serve the objects below ``root`` (``owner``'s URL) from ``cache``, read by ``fetch``."""
         prefix = root if root.endswith("/") else root + "/"
-        self.sources = [s for s in self.sources if s.owner() is not None and s.root != prefix]
+        self.drop_source(prefix)
+        self.sources = [s for s in self.sources if s.owner() is not None]
         # One writer (and its thread) per cache, however often a dataset on it is made again.
         writer = self._writers.get(cache.__getstate__())
         if writer is None:
@@ -300,11 +301,10 @@ class Service:
         try:
             data = await source.fetch(owner, url, size if size >= 0 else None, identity)
             self._remember(key, data)
-            committed = self._committing.get(key)
-            if committed is None:
-                committed = self._committing[key] = loop.create_future()
-                source.writer.offer(url, identity, data)  # dropped (its queue full): not cached
-            await asyncio.shield(committed)
+            # One read of a key at a time (``_fetching``), which lasts until its commit: a fresh wait.
+            committed = self._committing[key] = loop.create_future()
+            source.writer.offer(url, identity, data)  # dropped (its queue full): told as well, not cached
+            await committed
         finally:
             self._fetching.pop(key, None)
         _stats.rec()[_stats.PEER_SERVED_FETCHED] += 1
