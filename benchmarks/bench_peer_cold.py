@@ -70,19 +70,20 @@ def _rows(root: str, options: dict[str, Any]) -> list[tuple[str, str, int]]:
 
 
 async def _ask_all(
-    client: Any, rows: list[tuple[str, str, int]], inflight: int, hedged: list[int], options: dict[str, Any]
-) -> None:
-    """Read ``rows`` through ``client`` from the service, ``inflight`` at a time; a read the client
-    hedges reads the bucket too (counted in ``hedged``)."""
+    client: Any, rows: list[tuple[str, str, int]], inflight: int, options: dict[str, Any]
+) -> int:
+    """Read ``rows`` through ``client`` from the service, ``inflight`` at a time; how many reads the
+    client hedged (read the bucket too)."""
     from blobdata import FetchOptions
     from blobdata._fetch import FetchEngine
 
     gate = asyncio.Semaphore(inflight)
     engine: Any = None
+    hedged = 0
 
     async def bucket_of(url: str, size: int, identity: str) -> tuple[bytes, str]:
-        nonlocal engine
-        hedged[0] += 1  # the asking side gave up waiting for the service and read the bucket too
+        nonlocal engine, hedged
+        hedged += 1  # the asking side gave up waiting for the service and read the bucket too
         if engine is None:
             engine = FetchEngine(FetchOptions(concurrency=inflight), "s3", options)
         data, _ = await engine.fetch(url, size=size, identity=identity)
@@ -99,6 +100,7 @@ async def _ask_all(
     finally:
         if engine is not None:
             await engine.aclose()
+    return hedged
 
 
 async def _direct(rows: list[tuple[str, str, int]], inflight: int, options: dict[str, Any]) -> None:
@@ -114,8 +116,8 @@ async def _direct(rows: list[tuple[str, str, int]], inflight: int, options: dict
 
 def _one(
     setting: str, rows: list[tuple[str, str, int]], args: Any, work: Path, options: dict[str, Any]
-) -> float:
-    """Seconds to read ``rows`` one way (``setting``), all of them fresh."""
+) -> tuple[float, int]:
+    """Seconds to read ``rows`` one way (``setting``), all of them fresh, and the reads hedged."""
     from blobdata import BlobCache, FetchOptions
     from blobdata._loop import run
     from blobdata._peers import EngineSpec, PeerClient, PeerTable, daemon
@@ -123,7 +125,7 @@ def _one(
     if setting == "no peers":
         t = time.perf_counter()
         run(_direct(rows, args.inflight, options), 600)
-        return time.perf_counter() - t
+        return time.perf_counter() - t, 0
     concurrency = int(setting.rsplit(" ", 1)[1])
     service = daemon.start(SECRET, "127.0.0.1", 0)
     try:
@@ -133,10 +135,10 @@ def _one(
         service.add_source(root, cache, EngineSpec(FetchOptions(concurrency=concurrency), "s3", options))
         client = PeerClient(PeerTable(SECRET, NAMES, (service.address, "127.0.0.1:9"), 1, args.inflight))
         t = time.perf_counter()
-        run(_ask_all(client, rows, args.inflight, args.hedged, options), 600)
+        hedged = run(_ask_all(client, rows, args.inflight, options), 600)
         seconds = time.perf_counter() - t
         run(client.aclose())
-        return seconds
+        return seconds, hedged
     finally:
         service.close()
 
@@ -177,10 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                     for k, setting in enumerate(settings):
                         rows = _rows(f"s3://bench/r{r}s{k}", options)
                         proxy.reset_counts()
-                        args.hedged = [0]
-                        seconds = _one(setting, rows, args, work, options)
+                        seconds, hedged = _one(setting, rows, args, work, options)
                         gets = sum(1 for m, _ in proxy.requests if m == "GET")
-                        hedged = args.hedged[0]
                         got = {
                             "seconds": seconds,
                             "per_s": len(rows) / seconds,
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     base = med[settings[0]]
     print("medians, objects/s: " + ", ".join(f"{s} {med[s]:.0f} ({med[s] / base:.2f}x)" for s in settings))
     if args.json is not None:
-        kept = {k: v for k, v in vars(args).items() if k not in ("json", "hedged")}
+        kept = {k: v for k, v in vars(args).items() if k != "json"}
         args.json.write_text(json.dumps({"args": kept, "results": results, "median": med}))
     return 0
 

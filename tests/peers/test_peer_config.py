@@ -17,8 +17,7 @@ import torch.distributed as dist
 from blobdata import ConfigError, FetchOptions, FolderDataset, Peers
 from blobdata._loop import run
 from blobdata._peers import SERVICE_READERS, Service, ServiceProcess, join, peers_setting, service_of
-
-SECRET_KEY = "blobdata/peers/v1/"  # the meeting's keys: this, then 16 hex digits of the job's hash
+from tests.support.peer_nodes import node_1_came
 
 
 def _folder(tmp_path: Path) -> str:
@@ -107,22 +106,6 @@ def test_a_node_that_never_comes_is_named() -> None:
         join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job="late", timeout=1))
 
 
-_OTHER = json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"}).encode()
-
-
-def _node_1_came(name: str, entry: bytes = _OTHER) -> tuple[Any, str, str]:
-    """A store, a fresh job ``name-...`` of 2 nodes in it whose node 1 has left ``entry`` (by
-    default a node whose service never answers: node 0's meeting completes at once), and the job's
-    prefix of keys in the store."""
-    import hashlib
-
-    store = dist.HashStore()
-    job = f"{name}-{os.urandom(4).hex()}"
-    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
-    store.set(prefix + "node/1", entry)
-    return store, job, prefix
-
-
 @pytest.mark.parametrize(
     "entry",
     [
@@ -134,14 +117,14 @@ def _node_1_came(name: str, entry: bytes = _OTHER) -> tuple[Any, str, str]:
     ],
 )
 def test_a_nodes_entry_is_checked_as_it_is_read(entry: bytes) -> None:
-    store, job, _ = _node_1_came("entry", entry)
+    store, job, _ = node_1_came("entry", entry)
     with pytest.raises(ConfigError, match=r"node 1's entry in the job's store|node 1's address .* bytes"):
         join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
 
 
 def test_node_names_must_be_distinct() -> None:
     same = json.dumps({"name": "127.0.0.1", "address": "1.2.3.4:5", "local": "1.2.3.4:5"}).encode()
-    store, job, _ = _node_1_came("dup", same)
+    store, job, _ = node_1_came("dup", same)
     with pytest.raises(ConfigError, match="names are not distinct"):
         join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5))
 
@@ -150,7 +133,7 @@ def test_node_names_must_be_distinct() -> None:
 def test_a_meeting_leaves_a_note_of_the_service_in_the_nodes_directory_and_no_secret(
     own_process: bool,
 ) -> None:
-    store, job, prefix = _node_1_came("note")
+    store, job, prefix = node_1_came("note")
     config = Peers(
         store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5, service_process=own_process
     )
@@ -193,7 +176,7 @@ def test_the_nodes_service_reads_the_bucket_with_the_concurrency_of_many_process
     """In a job's first epoch the service reads the node's share of every node's samples: it is told
     to read with the concurrency of :data:`SERVICE_READERS` processes (or as given), not of one."""
     s3_bucket.put("train/c/x.bin", b"x")
-    store, job, _ = _node_1_came("readers")
+    store, job, _ = node_1_came("readers")
     peers = Peers(
         store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job, timeout=5, service_concurrency=given
     )

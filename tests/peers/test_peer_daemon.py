@@ -6,9 +6,7 @@ nodes run the default, the service's own process.)"""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import http.client
-import json
 import logging
 import os
 import signal
@@ -21,7 +19,6 @@ from urllib.parse import quote
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
 from blobdata import ConfigError, FetchOptions
 from blobdata._cache import BlobCache
@@ -40,10 +37,9 @@ from blobdata._peers import (
     service_of,
 )
 from blobdata._peers.daemon import start
+from tests.support.peer_nodes import node_1_came
 
 pytestmark = pytest.mark.timeout(120)
-
-SECRET_KEY = "blobdata/peers/v1/"
 
 
 def _gone(pid: int) -> bool:
@@ -122,12 +118,7 @@ def test_the_service_process_ends_with_the_process_that_started_it(how: str) -> 
 
 def _met() -> tuple[ServiceProcess, bytes]:
     """A node 0 of two that met (node 1's entry put in the store by hand), its service's process."""
-    store = dist.HashStore()
-    job = f"daemon-{os.urandom(4).hex()}"
-    prefix = SECRET_KEY + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
-    store.set(
-        prefix + "node/1", json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"})
-    )
+    store, job, _ = node_1_came("daemon")
     table = join(Peers(store=store, nnodes=2, node_rank=0, host="127.0.0.1", job=job))
     assert table is not None
     service = service_of(table)
@@ -239,6 +230,18 @@ def _read_from(service: ServiceProcess, secret: bytes, url: str, identity: str, 
     return data
 
 
+def _killed_and_started_again(service: ServiceProcess) -> bool:
+    """Whether ``service``'s process, killed, was started again within 30 s and told what to serve."""
+    first = service.pid
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while service.pid == first and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with service._lock:  # held while the new one starts and is told what to serve
+        pass
+    return service.pid != first
+
+
 def test_a_service_process_that_ends_is_started_again_where_it_was(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -255,14 +258,7 @@ def test_a_service_process_that_ends_is_started_again_where_it_was(
         address = service.address
         with caplog.at_level(logging.WARNING, logger="blobdata"):
             for k in range(3):
-                first = service.pid
-                os.kill(first, signal.SIGKILL)
-                deadline = time.monotonic() + 30
-                while service.pid == first and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                assert service.pid != first, f"not started again after kill {k + 1}"
-                with service._lock:  # held while the new one starts and is told what to serve
-                    pass
+                assert _killed_and_started_again(service), f"not started again after kill {k + 1}"
                 assert service.address == address
                 assert _read_from(service, secret, url, identity, len(data)) == data
             last = service.pid
@@ -319,14 +315,7 @@ def test_a_dataset_gone_is_served_no_more_and_never_takes_a_later_ones_root_with
         service.set_homes(("127.0.0.1", "other"), 0)
         assert _status(service, secret, url, identity, len(data)) == 404  # not an object of its datasets
         assert "source:s3://bucket/train/" not in service._told
-        first_pid = service.pid
-        os.kill(first_pid, signal.SIGKILL)  # started again: told of what is left only
-        deadline = time.monotonic() + 30
-        while service.pid == first_pid and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with service._lock:
-            pass
-        assert service.pid != first_pid
+        assert _killed_and_started_again(service)  # and told of what is left only
         assert _status(service, secret, url, identity, len(data)) == 404
     finally:
         service.close()

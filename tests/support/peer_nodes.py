@@ -31,6 +31,24 @@ def upload(bucket: Any, n: int, prefix: str = "train") -> dict[int, str]:
     return {i: hashlib.sha256(payload(i)).hexdigest() for i in range(n)}
 
 
+#: The prefix of a job's keys in its store: this, then 16 hex digits of a hash of the job's name.
+STORE_PREFIX = "blobdata/peers/v1/"
+_OTHER = json.dumps({"name": "other", "address": "127.0.0.9:9", "local": "127.0.0.9:9"}).encode()
+
+
+def node_1_came(name: str, entry: bytes = _OTHER) -> tuple[Any, str, str]:
+    """A ``HashStore``, a fresh job ``name-...`` of 2 nodes in it whose node 1 has left ``entry`` (by
+    default a node named "other" whose service never answers: node 0's meeting completes at once),
+    and the job's prefix of keys in the store."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    job = f"{name}-{os.urandom(4).hex()}"
+    prefix = STORE_PREFIX + hashlib.sha256(job.encode()).hexdigest()[:16] + "/"
+    store.set(prefix + "node/1", entry)
+    return store, job, prefix
+
+
 class Store:
     """The job's store: a TCPStore served from this process on a free port."""
 
