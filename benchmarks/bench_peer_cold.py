@@ -17,7 +17,9 @@ their own) once per setting, the settings in turn:
 - ``no peers``: this process reads the objects from the bucket itself, ``--inflight`` at a time.
 
 Prints objects a second per setting and round, the bucket GETs (one per object, and a read the asking
-side hedged to the bucket), and the medians' ratios.
+side hedged to the bucket), the CPU per object of the service's process and of the asking process
+(this one), and the medians: the service's CPU per object bounds what one service process can read for
+the others on a core of its own.
 
     python benchmarks/bench_peer_cold.py [--objects 1500] [--inflight 512] [--rounds 3]
         [--bucket-rtt-ms 50] [--json out.json]
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import shutil
 import statistics
@@ -40,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from common import add_repo_to_path, table
+from common import add_repo_to_path, cpu_seconds, process_cpu_seconds, table
 
 add_repo_to_path()
 
@@ -116,16 +119,17 @@ async def _direct(rows: list[tuple[str, str, int]], inflight: int, options: dict
 
 def _one(
     setting: str, rows: list[tuple[str, str, int]], args: Any, work: Path, options: dict[str, Any]
-) -> tuple[float, int]:
-    """Seconds to read ``rows`` one way (``setting``), all of them fresh, and the reads hedged."""
+) -> tuple[float, int, float, float]:
+    """Seconds to read ``rows`` one way (``setting``), all of them fresh, the reads hedged, and the CPU
+    seconds of the service's process (NaN: none) and of this process (the asking node) meanwhile."""
     from blobdata import BlobCache, FetchOptions
     from blobdata._loop import run
     from blobdata._peers import EngineSpec, PeerClient, PeerTable, daemon
 
     if setting == "no peers":
-        t = time.perf_counter()
+        t, c = time.perf_counter(), cpu_seconds()
         run(_direct(rows, args.inflight, options), 600)
-        return time.perf_counter() - t, 0
+        return time.perf_counter() - t, 0, math.nan, cpu_seconds() - c
     concurrency = int(setting.rsplit(" ", 1)[1])
     service = daemon.start(SECRET, "127.0.0.1", 0)
     try:
@@ -134,13 +138,18 @@ def _one(
         root = rows[0][0].rsplit("/", 2)[0] + "/"
         service.add_source(root, cache, EngineSpec(FetchOptions(concurrency=concurrency), "s3", options))
         client = PeerClient(PeerTable(SECRET, NAMES, (service.address, "127.0.0.1:9"), 1, args.inflight))
-        t = time.perf_counter()
+        t, c, s = time.perf_counter(), cpu_seconds(), process_cpu_seconds(service.pid)
         hedged = run(_ask_all(client, rows, args.inflight, options), 600)
         seconds = time.perf_counter() - t
+        asker, served = cpu_seconds() - c, process_cpu_seconds(service.pid) - s
         run(client.aclose())
-        return seconds, hedged
+        return seconds, hedged, served, asker
     finally:
         service.close()
+
+
+def _us(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,16 +188,19 @@ def main(argv: list[str] | None = None) -> int:
                     for k, setting in enumerate(settings):
                         rows = _rows(f"s3://bench/r{r}s{k}", options)
                         proxy.reset_counts()
-                        seconds, hedged = _one(setting, rows, args, work, options)
+                        seconds, hedged, served, asker = _one(setting, rows, args, work, options)
                         gets = sum(1 for m, _ in proxy.requests if m == "GET")
                         got = {
                             "seconds": seconds,
                             "per_s": len(rows) / seconds,
                             "gets": gets,
                             "hedged": hedged,
+                            "service_us": 1e6 * served / len(rows),
+                            "asker_us": 1e6 * asker / len(rows),
                         }
                         results[setting].append(got)
                         cells = [f"{got['per_s']:.0f}", f"{seconds:.2f}", str(gets), str(hedged)]
+                        cells += [_us(got["service_us"]), _us(got["asker_us"])]
                         rows_out.append([str(r + 1), setting, *cells])
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -198,10 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         f"node of a job of 2 with {args.inflight} reads in flight; bucket RTT {args.bucket_rtt_ms:.0f} ms; "
         f"load average {load0[0]:.1f} before, {load1[0]:.1f} after"
     )
-    print(table(["round", "setting", "objects/s", "seconds", "bucket GETs", "hedged"], rows_out))
+    heads = ["round", "setting", "objects/s", "seconds", "bucket GETs", "hedged", "service CPU us/obj",
+             "asking CPU us/obj"]  # fmt: skip
+    print(table(heads, rows_out))
     med = {s: statistics.median(g["per_s"] for g in results[s]) for s in settings}
     base = med[settings[0]]
     print("medians, objects/s: " + ", ".join(f"{s} {med[s]:.0f} ({med[s] / base:.2f}x)" for s in settings))
+    cpu = {s: statistics.median(g["service_us"] for g in results[s]) for s in settings[:2]}
+    print(
+        "medians, the service's CPU per object read for the other node: "
+        + ", ".join(f"{s} {cpu[s]:.0f} us (one core: {1e6 / cpu[s]:,.0f} objects/s)" for s in cpu)
+    )
     if args.json is not None:
         kept = {k: v for k, v in vars(args).items() if k != "json"}
         args.json.write_text(json.dumps({"args": kept, "results": results, "median": med}))

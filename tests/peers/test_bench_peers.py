@@ -67,7 +67,8 @@ def test_bench_peer_read_small(tmp_path: Path) -> None:
 def test_bench_peer_cold_small(tmp_path: Path) -> None:
     """benchmarks/bench_peer_cold.py: fresh objects read through the node's real service process, with
     one process's concurrency and with the default's, and from the bucket directly: every object read
-    from the bucket once (and again only where the asker hedged), the rates and their ratios printed."""
+    from the bucket once (and again only where the asker hedged), the rates and their ratios printed, the
+    CPU per object of the service's process and of the asking one."""
     args = ["--objects", "60", "--inflight", "32", "--concurrency", "4", "--rounds", "1", "--size", "2000"]
     printed, doc = _bench("bench_peer_cold.py", args, tmp_path / "out.json", 100)
     from blobdata._peers import SERVICE_READERS
@@ -78,6 +79,9 @@ def test_bench_peer_cold_small(tmp_path: Path) -> None:
         ((got,),) = [doc["results"][setting]]
         assert got["per_s"] > 0
         assert 60 <= got["gets"] <= 60 + got["hedged"], setting
+        assert got["asker_us"] > 0, setting  # the asking process's CPU per object, measured
+        assert (got["service_us"] > 0) == (setting != "no peers"), setting  # NaN: no service
+    assert "the service's CPU per object" in printed
 
 
 @pytest.mark.timeout(150)
