@@ -5,8 +5,9 @@ see :mod:`.db`) and the values:
 appended to pack files, one per writing process (``pk/<random>.pack``, see :mod:`.packs`: creating
 a file per object cost more than everything else a put does), or, on a filesystem that cannot
 punch holes, one value file per object under 256 subfolders (``ab/<random>-<size>-<checksum>.val``).
-Small values (< 32 KiB) live inline in the index. The key is the object URL plus its identity
-(ETag, generation, version), so a changed object is a miss and its stale entry is replaced.
+Small values live inline in the index (below 8 KiB where there are packs, 32 KiB where values are
+files: ``values.MIN_PACKED_SIZE``, ``values.MIN_FILE_SIZE``). The key is the object URL plus its
+identity (ETag, generation, version), so a changed object is a miss and its stale entry is replaced.
 
 Safety
   * Bytes only: the index holds keys, value locations and small values with their checksums, never

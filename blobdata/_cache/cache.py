@@ -28,6 +28,7 @@ from .values import (
     DB_NAME,
     HEADER,
     MIN_FILE_SIZE,
+    MIN_PACKED_SIZE,
     Inline,
     Pending,
     Staged,
@@ -280,6 +281,7 @@ class BlobCache(ReadOps, TrimOps):
             sql = db.sql
             page_bytes, size_sum = self._volume(sql)
             planned = 0
+            smallest = MIN_PACKED_SIZE if self._use_packs else MIN_FILE_SIZE  # not inline from this size
             for i, (url, identity, raw) in enumerate(items):
                 data = bytes(raw)
                 key = key_of(url, identity)
@@ -287,7 +289,7 @@ class BlobCache(ReadOps, TrimOps):
                     results[i] = True
                     self._bump("stored")
                     continue
-                inline = len(data) < MIN_FILE_SIZE
+                inline = len(data) < smallest
                 packed = self._use_packs and not inline
                 need = aligned(len(data)) if packed else len(data) + HEADER.size
                 # A cheap check before writing anything; the authoritative one is in _commit.

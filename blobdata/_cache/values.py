@@ -26,10 +26,18 @@ except ImportError:  # pragma: no cover - zlib's crc32 is the fallback
     google_crc32c = None
 
 DB_NAME = "cache.db"
-#: Smaller values live inline in the index: one read, no file. Read from the index's memory map, a
-#: value below this costs less CPU than a pack's ``pread`` (20 KB: 9.6 against 10.1 us, 1 KB: 3.8
-#: against 6.0 us per read, ``thread_time`` on the 2-core box), overflow pages included.
+#: Smaller values live inline in the index where they would otherwise be files of their own (no hole
+#: punching, so no packs): one read, no file to open. Read from the index's memory map, a value below
+#: this costs less CPU than opening and reading a file.
 MIN_FILE_SIZE = 32 * 1024
+#: Where values go to packs, only the smaller ones live inline. An inline value is written twice (the
+#: index's write-ahead log, then its checkpoint), a packed one once; and inline values grow the index
+#: past its memory map (64 MiB), beyond which each of its pages is a ``read``. CPU per value,
+#: ``bench_value_placement.py`` (the 2-core box), packed against inline: a put costs 0.6-0.75 times as
+#: much at 8 KiB, 0.32-0.49 from 16 KiB; a read at 8 KiB 0.73 times as much with 100,000 values, 0.78
+#: with 40,000, 0.95 with 12,000, 1.23 with 1,600 (there 9.6 us against 7.8); below 8 KiB reads
+#: favour inline in a cache of up to about 12,000 values (4 KiB: 1.17) and packs beyond (0.83).
+MIN_PACKED_SIZE = 8 * 1024
 CRC32C = google_crc32c is not None and google_crc32c.implementation == "c"
 NAME_RE = re.compile(r"([0-9a-f]{2})/[0-9a-f]{32}-([0-9a-f]{1,16})-([cz])([0-9a-f]{8})\.val")
 HEADER = struct.Struct("<cI")  # inline values: checksum kind (b"c"/b"z") + checksum

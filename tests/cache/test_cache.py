@@ -36,7 +36,16 @@ from blobdata._cache import (
     Policy,
 )
 from blobdata._cache.packs import aligned, parse_slice, punch, punch_supported
-from blobdata._cache.values import HEADER, Corrupt, Refused, checksum, key_of, write_value_file
+from blobdata._cache.values import (
+    HEADER,
+    MIN_FILE_SIZE,
+    MIN_PACKED_SIZE,
+    Corrupt,
+    Refused,
+    checksum,
+    key_of,
+    write_value_file,
+)
 from blobdata._errors import CacheError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +190,54 @@ def test_flipped_byte_is_a_counted_corrupt_miss_and_the_entry_is_removed(tmp_pat
         assert ("s3://b/x", "e") not in cache and value_bytes(tmp_path) == 0
         assert cache.put("s3://b/x", "e", value(1, BIG))  # the caller refetches and stores again
         assert cache.get("s3://b/x", "e") == value(1, BIG)
+
+
+def test_where_values_live(tmp_path: Path, store: str) -> None:
+    """A value below the inline bound lives in the index, one at the bound in a pack (or a file of its
+    own): 8 KiB with packs (an inline value is written twice and grows the index past its memory map),
+    32 KiB with value files (a file per small value costs more than inline); each read back whole."""
+    bound = MIN_PACKED_SIZE if store == "packs" else MIN_FILE_SIZE
+    assert MIN_PACKED_SIZE < MIN_FILE_SIZE
+    sizes = {"below": bound - 1, "at": bound, "between": (MIN_PACKED_SIZE + MIN_FILE_SIZE) // 2}
+    with BlobCache(str(tmp_path / "c"), size_limit=2**30) as cache:
+        assert all(
+            cache.put_many(
+                [(f"s3://b/{name}", "e", value(k, n)) for k, (name, n) in enumerate(sizes.items())]
+            )
+        )
+        for k, (name, n) in enumerate(sizes.items()):
+            assert cache.get(f"s3://b/{name}", "e") == value(k, n), name
+    placed = {
+        key.split("\n")[0].rsplit("/", 1)[1]: (inline is not None, fn)
+        for key, _, inline, fn in rows(tmp_path / "c")
+    }
+    assert placed["below"] == (True, None)
+    assert not placed["at"][0] and placed["at"][1]
+    between_inline = store == "files"  # under the files' bound, above the packs'
+    assert placed["between"][0] is between_inline and (placed["between"][1] is None) is between_inline
+    kinds = {Path(p).suffix for p in value_files(tmp_path / "c")}
+    assert kinds == ({".pack"} if store == "packs" else {".val"})
+
+
+@pytest.mark.timeout(120)
+def test_bench_value_placement_small(tmp_path: Path) -> None:
+    """benchmarks/bench_value_placement.py: both ways at two sizes, each value read back whole; a row per
+    size with the CPU of a put and of a read each way, and where the cache keeps that size now."""
+    out = tmp_path / "out.json"
+    args = ["--sizes", "4KiB", "16KiB", "--objects", "96", "--rounds", "3", "--json", str(out)]
+    cmd = [sys.executable, "benchmarks/bench_value_placement.py", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["bound"] == MIN_PACKED_SIZE and sorted(doc["results"]) == ["16384", "4096"]
+    for got in doc["results"].values():
+        assert all(got[way]["put_us"] > 0 and got[way]["get_us"] > 0 for way in ("inline", "packed"))
+    cells = [line.split() for line in done.stdout.splitlines()]
+    assert {row[0]: row[-1] for row in cells if len(row) == 8 and row[0].isdigit()} == {
+        "4096": "inline",
+        "16384": "packed",
+    }
 
 
 def test_truncated_missing_and_inline_corruption(tmp_path: Path, store: str) -> None:
