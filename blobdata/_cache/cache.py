@@ -282,10 +282,12 @@ class BlobCache(ReadOps, TrimOps):
             page_bytes, size_sum = self._volume(sql)
             planned = 0
             smallest = MIN_PACKED_SIZE if self._use_packs else MIN_FILE_SIZE  # not inline from this size
-            for i, (url, identity, raw) in enumerate(items):
+            keys = [key_of(url, identity) for url, identity, _ in items]
+            present = self._present(sql, keys)
+            for i, (url, _, raw) in enumerate(items):
                 data = bytes(raw)
-                key = key_of(url, identity)
-                if sql("SELECT 1 FROM entries WHERE key = ?", (key,)).fetchone() is not None:
+                key = keys[i]
+                if key in present:
                     results[i] = True
                     self._bump("stored")
                     continue

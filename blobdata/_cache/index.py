@@ -31,6 +31,7 @@ Policy = Literal["admit", "lru"]
 Sql = Callable[..., sqlite3.Cursor]
 
 _log = logging.getLogger("blobdata")
+_CHUNK = 512  # keys per query: well below SQLite's bound on a statement's parameters (32,766)
 _PAGE_BYTES = "(SELECT page_count FROM pragma_page_count()) * (SELECT page_size FROM pragma_page_size())"
 _VOLUME = f"SELECT {_PAGE_BYTES}, (SELECT value FROM meta WHERE key = 'size')"
 #: The volume (index pages and values) and the entry count, of one snapshot.
@@ -59,7 +60,6 @@ class IndexOps:
         outcome: dict[int, bool | None] = {}
         with db.transact():
             sql = db.sql
-            ((page_size,),) = sql("PRAGMA page_size").fetchall()
             for p in pending:
                 # One range scan finds both this key (already stored by another process) and the
                 # stale entries of other identities of the same URL.
@@ -70,9 +70,8 @@ class IndexOps:
                     outcome[p.pos] = None
                     continue
                 if not same_url:  # the common case: nothing to delete, so no savepoint needed
-                    ((pages,),) = sql("PRAGMA page_count").fetchall()
-                    ((size_sum,),) = sql("SELECT value FROM meta WHERE key = 'size'").fetchall()
-                    if int(pages) * int(page_size) + int(size_sum) + p.need <= self._size_limit:
+                    page_bytes, size_sum = self._volume(sql)
+                    if page_bytes + size_sum + p.need <= self._size_limit:
                         self._insert(sql, p)
                         outcome[p.pos] = True
                         continue
@@ -163,6 +162,17 @@ class IndexOps:
                 db.sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         except (OSError, sqlite3.Error) as exc:
             _log.debug("blobdata cache %s: WAL checkpoint skipped (%s)", self._directory, exc)
+
+    @staticmethod
+    def _present(sql: Sql, keys: list[str]) -> set[str]:
+        """Those of ``keys`` the index holds: one query per :data:`_CHUNK` keys (a batch's puts), not
+        one per key."""
+        found: set[str] = set()
+        for a in range(0, len(keys), _CHUNK):
+            part = keys[a : a + _CHUNK]
+            marks = ",".join("?" * len(part))
+            found.update(k for (k,) in sql(f"SELECT key FROM entries WHERE key IN ({marks})", part))
+        return found
 
     @staticmethod
     def _stale_bytes(sql: Sql, url: str) -> int:
