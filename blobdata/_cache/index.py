@@ -20,7 +20,7 @@ from .db import Index
 from .packs import parse_slice
 from .values import NAME_RE, Pending, Staged, Values, url_range
 
-__all__ = ["SLACK_BYTES", "VOLUME_AND_COUNT", "WAL_SLACK_BYTES", "IndexOps", "Policy"]
+__all__ = ["CHUNK", "SLACK_BYTES", "VOLUME_AND_COUNT", "WAL_SLACK_BYTES", "IndexOps", "Policy", "marks"]
 
 SLACK_BYTES = 64 * 1024
 """How far ``volume_bytes`` may exceed ``size_limit``: index pages added by one insert after its check."""
@@ -31,7 +31,8 @@ Policy = Literal["admit", "lru"]
 Sql = Callable[..., sqlite3.Cursor]
 
 _log = logging.getLogger("blobdata")
-_CHUNK = 512  # keys per query: well below SQLite's bound on a statement's parameters (32,766)
+#: Keys per index query: well below SQLite's bound on a statement's parameters (32,766).
+CHUNK = 512
 _PAGE_BYTES = "(SELECT page_count FROM pragma_page_count()) * (SELECT page_size FROM pragma_page_size())"
 _VOLUME = f"SELECT {_PAGE_BYTES}, (SELECT value FROM meta WHERE key = 'size')"
 #: The volume (index pages and values) and the entry count, of one snapshot.
@@ -39,6 +40,11 @@ VOLUME_AND_COUNT = (
     f"SELECT {_PAGE_BYTES} + (SELECT value FROM meta WHERE key = 'size'),"
     " (SELECT value FROM meta WHERE key = 'count')"
 )
+
+
+def marks(n: int) -> str:
+    """``n`` parameters of an ``IN (...)`` list."""
+    return ",".join("?" * n)
 
 
 class IndexOps:
@@ -165,13 +171,13 @@ class IndexOps:
 
     @staticmethod
     def _present(sql: Sql, keys: list[str]) -> set[str]:
-        """Those of ``keys`` the index holds: one query per :data:`_CHUNK` keys (a batch's puts), not
+        """Those of ``keys`` the index holds: one query per :data:`CHUNK` keys (a batch's puts), not
         one per key."""
         found: set[str] = set()
-        for a in range(0, len(keys), _CHUNK):
-            part = keys[a : a + _CHUNK]
-            marks = ",".join("?" * len(part))
-            found.update(k for (k,) in sql(f"SELECT key FROM entries WHERE key IN ({marks})", part))
+        for a in range(0, len(keys), CHUNK):
+            part = keys[a : a + CHUNK]
+            query = f"SELECT key FROM entries WHERE key IN ({marks(len(part))})"
+            found.update(k for (k,) in sql(query, part))
         return found
 
     @staticmethod

@@ -18,15 +18,12 @@ from typing import Any, NamedTuple
 
 from .._errors import CacheError
 from .db import Index
-from .index import IndexOps
+from .index import CHUNK, IndexOps, marks
 from .values import Corrupt, Refused, Values, key_of
 
 __all__ = ["Opened", "ReadOps"]
 
 _log = logging.getLogger("blobdata")
-
-#: Keys per index query: well below SQLite's bound on a statement's parameters (32,766).
-_CHUNK = 512
 
 
 class Opened(NamedTuple):
@@ -34,10 +31,6 @@ class Opened(NamedTuple):
 
     db: Index
     values: Values
-
-
-def _in(n: int) -> str:
-    return ",".join("?" * n)
 
 
 class ReadOps(IndexOps):
@@ -136,15 +129,15 @@ class ReadOps(IndexOps):
         out: list[bool] = []
         try:
             sql = self._connect().db.sql
-            for a in range(0, len(keys), _CHUNK):
-                part = keys[a : a + _CHUNK]
-                marks = _in(len(part))
+            for a in range(0, len(keys), CHUNK):
+                part = keys[a : a + CHUNK]
+                params = marks(len(part))
                 # Usually all or none are there: a count says so without a string per key.
-                ((count,),) = sql(f"SELECT count(*) FROM entries WHERE key IN ({marks})", part).fetchall()
+                ((count,),) = sql(f"SELECT count(*) FROM entries WHERE key IN ({params})", part).fetchall()
                 if count in (0, len(set(part))):
                     out.extend([bool(count)] * len(part))
                     continue
-                found = {r[0] for r in sql(f"SELECT key FROM entries WHERE key IN ({marks})", part)}
+                found = {r[0] for r in sql(f"SELECT key FROM entries WHERE key IN ({params})", part)}
                 out.extend(k in found for k in part)
         except (CacheError, sqlite3.Error, OSError):
             return [False] * len(items)
@@ -158,10 +151,10 @@ class ReadOps(IndexOps):
     def _rows(db: Index, keys: list[str]) -> list[tuple[int, Any, Any] | None]:
         """The ``(rowid, filename, inline)`` of each key (None where absent), one query per chunk."""
         found: dict[str, tuple[int, Any, Any]] = {}
-        for a in range(0, len(keys), _CHUNK):
-            part = keys[a : a + _CHUNK]
+        for a in range(0, len(keys), CHUNK):
+            part = keys[a : a + CHUNK]
             cursor = db.sql(
-                f"SELECT key, rowid, filename, inline FROM entries WHERE key IN ({_in(len(part))})", part
+                f"SELECT key, rowid, filename, inline FROM entries WHERE key IN ({marks(len(part))})", part
             )
             for key, rowid, filename, inline in cursor:
                 found[key] = (rowid, filename, inline)

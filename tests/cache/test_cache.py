@@ -219,6 +219,28 @@ def test_where_values_live(tmp_path: Path, store: str) -> None:
     assert kinds == ({".pack"} if store == "packs" else {".val"})
 
 
+def test_batches_larger_than_one_index_query(tmp_path: Path) -> None:
+    """A batch of more keys than one index query takes (``CHUNK``), some already held: the keys held are
+    found across the queries (a put skips them), every put is in the cache afterwards, and every read
+    and presence check of the batch answers for its own key."""
+    from blobdata._cache.index import CHUNK
+
+    n = 2 * CHUNK + 77
+    items = [(f"s3://b/k{i:05d}", "e", value(i, SMALL if i % 3 else MIN_PACKED_SIZE)) for i in range(n)]
+    with BlobCache(str(tmp_path / "c"), size_limit=2**30) as cache:
+        held = items[CHUNK - 5 : CHUNK + 5] + items[-3:]  # across a query's bound, and the last query
+        assert all(cache.put_many(held))
+        # What a batch's puts skip (nothing staged for them): the keys held, found across the queries.
+        batch = [key_of(u, e) for u, e, _ in items]
+        assert cache._present(cache._connect().db.sql, batch) == {key_of(u, e) for u, e, _ in held}
+        assert all(cache.put_many(items))
+        assert cache.stats().stored == len(held) + n
+        assert len(rows(tmp_path / "c")) == n
+        keys = [(u, e) for u, e, _ in items] + [("s3://b/absent", "e")]
+        assert cache.get_many(keys) == [data for _, _, data in items] + [None]
+        assert cache.has_many(keys) == [True] * n + [False]
+
+
 @pytest.mark.timeout(120)
 def test_bench_value_placement_small(tmp_path: Path) -> None:
     """benchmarks/bench_value_placement.py: both ways at two sizes, each value read back whole; a row per
