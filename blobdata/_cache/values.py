@@ -27,8 +27,8 @@ except ImportError:  # pragma: no cover - zlib's crc32 is the fallback
 
 DB_NAME = "cache.db"
 #: Smaller values live inline in the index where they would otherwise be files of their own (no hole
-#: punching, so no packs): one read, no file to open. Read from the index's memory map, a value below
-#: this costs less CPU than opening and reading a file.
+#: punching, so no packs): no file to create per put nor to open per read. This is the bound from
+#: before packs, not measured again against files.
 MIN_FILE_SIZE = 32 * 1024
 #: Where values go to packs, only the smaller ones live inline. An inline value is written twice (the
 #: index's write-ahead log, then its checkpoint), a packed one once; and inline values grow the index
