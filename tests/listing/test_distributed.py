@@ -168,10 +168,18 @@ def test_sigkill_then_resume_gives_the_uninterrupted_batches(
 ) -> None:
     url, env = _fill(s3_bucket), _env(s3_proxy)
     common = ["--epochs", "2", "--sampler", sampler, "--workers", str(workers)]
-    _finish(_torchrun(url, env, *common, "--ids-log", str(tmp_path / "full"), nproc=nproc))
+    # The uninterrupted run goes on while the other is run and killed (its steps mostly sleep): the
+    # two are independent, and each torchrun costs seconds of start-up on the suite's 2 cores.
+    whole = _torchrun(url, env, *common, "--ids-log", str(tmp_path / "full"), nproc=nproc)
     ckpt, log = tmp_path / "ckpt", tmp_path / "run"
     per_epoch = N // (4 * nproc)
-    state = _run_until_killed(url, env, ckpt, log, per_epoch + 2, *common, nproc=nproc)
+    try:
+        state = _run_until_killed(url, env, ckpt, log, per_epoch + 2, *common, nproc=nproc)
+    except BaseException:
+        os.killpg(whole.pid, signal.SIGKILL)
+        whole.communicate()
+        raise
+    _finish(whole)
     done = _steps(state, nproc)
     assert per_epoch < done < 2 * per_epoch and not state["complete"]  # killed mid-epoch
     before = {r: batches[:done] for r, (_, batches) in _logs(log).items()}
