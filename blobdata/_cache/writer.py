@@ -82,20 +82,35 @@ class CacheWriter:
             self._written([(url, identity)])
             return False
         if self._thread is None or self._pid != _process.pid():
-            self._start()
+            return self._start()
         return True
 
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """Start this process's writer thread; False if it cannot be (at interpreter shutdown, or
+        where the process may start no more threads): what is queued is then dropped, counted and
+        told to ``on_written`` (nothing would ever write it), and the next offer tries again."""
         with self._cond:
             if self._thread is not None and self._pid == _process.pid():
-                return
-            self._pid = _process.pid()
-            self._thread = threading.Thread(target=self._run, name="blobdata-cache-writer", daemon=True)
-            self._thread.start()
+                return True
+            thread = threading.Thread(target=self._run, name="blobdata-cache-writer", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:
+                failed: RuntimeError | None = exc
+                lost, self._queue, self._bytes = self._queue, [], 0
+                self.dropped += len(lost)
+            else:
+                failed, self._pid, self._thread = None, _process.pid(), thread
+        if failed is not None:
+            _log.debug("blobdata cache %s: no writer thread (%s): %d entries not cached",
+                       self.cache.directory, failed, len(lost))  # fmt: skip
+            self._written([(u, e) for u, e, _ in lost])
+            return False
         # Flush at a normal exit: atexit in a main process, multiprocessing's finalizers in its
         # children (DataLoader workers leave through os._exit after running those, not atexit).
         atexit.register(self.flush)
         mp_util.Finalize(self, self.flush, exitpriority=10)
+        return True
 
     def _run(self) -> None:
         while True:

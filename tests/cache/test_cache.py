@@ -1145,3 +1145,32 @@ def test_packs_roll_over_and_dead_packs_go_away(tmp_path: Path, monkeypatch: pyt
         assert cache.put("s3://b/again", "e", value(99, BIG))
         assert cache.get("s3://b/again", "e") == value(99, BIG)
         assert locate(tmp_path, "s3://b/again")[0] == left[0]
+
+
+def test_cache_writer_without_a_thread_drops_and_tells_instead_of_queueing_forever(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where its thread cannot start (at interpreter shutdown, or a process at its thread limit),
+    nothing would ever write the queue: what is offered is dropped, counted and told to whoever waits
+    for it (the peer service awaits each object's commit), and a later offer starts the thread."""
+    cache = BlobCache(tmp_path / "c", size_limit="10MB")
+    told: list[tuple[str, str]] = []
+    writer = CacheWriter(cache, on_written=told.extend)
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "blobdata-cache-writer":
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert not writer.offer("s3://b/k0", "e", b"a" * 1000)
+    assert not writer.offer("s3://b/k1", "e", b"b" * 1000)
+    assert told == [("s3://b/k0", "e"), ("s3://b/k1", "e")] and writer.dropped == 2
+    t0 = time.monotonic()
+    assert writer.flush(30.0) and time.monotonic() - t0 < 5.0  # nothing is left waiting
+    assert cache.get("s3://b/k0", "e") is None
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert writer.offer("s3://b/k2", "e", b"c" * 1000)
+    assert writer.flush(30.0) and cache.get("s3://b/k2", "e") == b"c" * 1000
+    assert told[-1] == ("s3://b/k2", "e") and writer.dropped == 2
