@@ -77,11 +77,12 @@ def _raw(fh: Any) -> bytes:
     return bytes(fh.read())
 
 
-def _cpu_s() -> float:
-    """CPU seconds of this process, its reaped children (the DataLoader's workers of past epochs) and
-    its live ones (persistent workers)."""
+def _cpu_parts() -> tuple[float, float, float]:
+    """CPU seconds of this process (the training process, and the peer service where it runs in a
+    thread of it), of its DataLoader workers (those reaped, of past epochs, and the live ones:
+    persistent workers) and of its peer service's process."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    live = 0
+    workers = service = 0
     children = []
     # Every thread's children: the peer service's process is started from the event loop's thread.
     for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
@@ -90,8 +91,13 @@ def _cpu_s() -> float:
     for child in children:
         with contextlib.suppress(OSError, IndexError, ValueError):  # it may have just exited
             fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
-            live += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + live / os.sysconf("SC_CLK_TCK")
+            ticks = int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+            if b"blobdata._peers" in Path(f"/proc/{child}/cmdline").read_bytes():
+                service += ticks
+            else:
+                workers += ticks
+    tick = os.sysconf("SC_CLK_TCK")
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime + workers / tick, service / tick
 
 
 def _wait(store: Any, key: str, timeout: float = 600.0) -> None:
@@ -139,7 +145,7 @@ def node_main(spec_path: str) -> int:
         store.add(f"{spec['run']}/arrive/{epoch}", 1)
         _wait(store, f"{spec['run']}/go/{epoch}")
         sampler.set_epoch(epoch)
-        t0, cpu0 = time.perf_counter(), _cpu_s()
+        t0, cpu0 = time.perf_counter(), _cpu_parts()
         samples, waits, first = 0, [], (0.0, 0.0)
         start = time.time()
         it = iter(loader)
@@ -157,10 +163,11 @@ def node_main(spec_path: str) -> int:
             if step_s:
                 time.sleep(step_s)  # the training step (a GPU's): the CPU is free meanwhile
         seconds = time.perf_counter() - t0
-        cpu = _cpu_s() - cpu0
+        trainer, workers, service = (b - a for a, b in zip(cpu0, _cpu_parts(), strict=True))
         now = loader.stats()
         out.append({
-            "seconds": seconds, "samples": samples, "cpu_s": cpu,
+            "seconds": seconds, "samples": samples, "cpu_s": trainer + workers + service,
+            "cpu_trainer_s": trainer, "cpu_workers_s": workers, "cpu_service_s": service,
             "from_peers": now.samples_from_peers - before.samples_from_peers,
             "from_cache": now.samples_from_cache - before.samples_from_cache,
             "from_bucket": now.samples_from_bucket - before.samples_from_bucket,
@@ -249,6 +256,9 @@ def _run_job(
         rows = [nd["epochs"][e] for nd in nodes]
         summed = (
             "cpu_s",
+            "cpu_trainer_s",
+            "cpu_workers_s",
+            "cpu_service_s",
             "from_peers",
             "from_cache",
             "from_bucket",
@@ -296,6 +306,20 @@ def _run_jobs(args: Any, work: Path, bodies: list[bytes]) -> list[dict[str, Any]
             for job in args.jobs.split(","):
                 results.append(_run_job(job, args, work, "s3://bench/train", env, store, proxy))
     return results
+
+
+def _cpu_line(results: list[dict[str, Any]]) -> str:
+    """Where the nodes' CPU went, from epoch 2 on: per sample, the training processes, their
+    DataLoader workers and the peer services' processes (a service in a thread counts as its training
+    process's)."""
+    parts = []
+    for r in results:
+        eps = r["epochs"][1:]
+        n = sum(ep["samples"] for ep in eps) or 1
+        us = [sum(ep[k] for ep in eps) / n * 1e6 for k in ("cpu_trainer_s", "cpu_workers_s", "cpu_service_s")]
+        parts.append(f"{r['job']} {us[0]:.0f} + {us[1]:.0f} + {us[2]:.0f} = {sum(us):.0f}")
+    return "from epoch 2 on, the nodes' CPU per sample (us), training processes + workers + services: " + (
+        ", ".join(parts))
 
 
 def _waits_line(results: list[dict[str, Any]]) -> str:
@@ -411,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"from epoch 2 on, {job} / {other}: epoch time {ratio:.2f}, nodes' CPU {cpu:.2f} "
                       f"(with the proxies' {both:.2f})")  # fmt: skip
     if args.epochs > 1:
+        print(_cpu_line(results))
         print(_waits_line(results))
         print(_first_line(results))
     for r in results:
