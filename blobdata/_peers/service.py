@@ -180,7 +180,7 @@ class Service:
         if homes is None or bool((homes.homes_of([url for url, _, _ in asked]) != self.me).any()):
             self._refuse("not home")
             return plain(421, "this node is not the object's home")
-        need = sum(max(size, 0) for _, _, size in asked)
+        need = sum(size for _, _, size in asked)
         if self._inflight[node] + len(asked) > self.per_peer or self._bytes + need > self.max_bytes:
             self._refuse("busy")
             return plain(503, "busy")
@@ -234,7 +234,8 @@ class Service:
             except UnicodeDecodeError:
                 return []
             size = n[2:]
-            if not url or not identity or not size.lstrip("-").isdigit() or len(size) > 19:
+            # A size is the listing's, never unknown: one the answer's bytes are bounded by.
+            if not url or not identity or not size.isdigit() or len(size) > 19:
                 return []
             out.append((url, identity, int(size)))
         return out
@@ -257,7 +258,7 @@ class Service:
             cache = asked[ks[0]][0][0].cache
             for k, data in zip(ks, cache.get_many([asked[k][1:3] for k in ks]), strict=True):
                 size = asked[k][3]
-                if data is not None and (size < 0 or len(data) == size):
+                if data is not None and len(data) == size:
                     out[k] = (data, "cache")
         reads = [(k, self._fetch(*asked[k])) for k in range(len(asked)) if out[k] is None]
         if reads:
@@ -299,7 +300,7 @@ class Service:
         key = (url, identity)
         loop = self._loop = asyncio.get_running_loop()
         try:
-            data = await source.fetch(owner, url, size if size >= 0 else None, identity)
+            data = await source.fetch(owner, url, size, identity)
             self._remember(key, data)
             # One read of a key at a time (``_fetching``), which lasts until its commit: a fresh wait.
             committed = self._committing[key] = loop.create_future()

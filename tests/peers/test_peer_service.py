@@ -409,8 +409,13 @@ def test_a_batch_beyond_the_bounds_is_refused_and_reads_nothing(served: Served) 
     )  # the count's bound, apart from the length's
     assert len(Service._parse(f"{PATH}?{tiny}")) == MAX_OBJECTS
     assert Service._parse(f"{PATH}?{tiny}&u=s3%3A%2F%2Fb%2Fk&e=x&n=1") == []
-    for bad in ("u=s3%3A%2F%2Fb%2Fk&e=x", "u=s3%3A%2F%2Fb%2Fk&e=x&n=1&e=x&u=y&n=1", "u=&e=x&n=1"):
+    for bad in ("u=s3%3A%2F%2Fb%2Fk&e=x", "u=s3%3A%2F%2Fb%2Fk&e=x&n=1&e=x&u=y&n=1", "u=&e=x&n=1",
+                "u=s3%3A%2F%2Fb%2Fk&e=x&n=-1", "u=s3%3A%2F%2Fb%2Fk&e=x&n=+1"):  # fmt: skip
         assert Service._parse(f"{PATH}?{bad}") == []
+    # A size is the listing's: one that is not (-1 once meant "any") would leave the answer's bytes
+    # outside the service's bound, which counts what is asked.
+    unsized = _target(a[0], a[1], -1)
+    assert _ask(served.port, unsized, _signed(unsized)[0]).status == 400
     long = (a[0], "x" * MAX_TARGET, a[2])  # one object whose fields overflow the target
     target = _target(*long)
     assert MAX_TARGET < len(target) < 16 * 1024 - 1024
