@@ -6,15 +6,20 @@ Nothing a client sends decides how much memory a connection takes: a request hea
 refused (400, 405) and the connection closed, as after any answer but 200 and 503. One request at a
 time per connection, as the asking side sends them (bytes that arrive meanwhile wait, bounded as a head
 is); the next is read once the answer is written and the socket's buffer has drained. At most
-``max_connections`` connections at once: more are closed at accept. What the answer says is the
-handler's (:mod:`.service`).
+``max_connections`` connections at once. A connection that does not send a whole head within
+:data:`HEAD_TIMEOUT_S` of its start or of the head's first byte is closed; at the limit, the one that
+has waited longest without a whole head is closed for a new one, and only where every connection has
+asked is the new one closed at accept. A head that is not a job member's is refused and its connection
+closed, so whoever can reach the port and opens connections without asking keeps no job member's
+connection out. What the answer says is the handler's (:mod:`.service`).
 
 Every process of every other node may hold connections to a node's service (a job of 16 nodes of 8
 ranks and 8 workers: over a thousand), more than the 1,024 files a process may open by default. A
 server that starts raises its process's soft limit on open files toward the hard one, for its
 connections and as many again for the process's other files (:func:`room_for`), and takes no more
-connections than that limit leaves room for. Past that room a connection is closed at once, and its
-asker reads from the bucket; past the limit itself, accept would fail (EMFILE) and the connections
+connections than that limit leaves room for. Past that room a connection is closed as above (where
+every connection has asked, the new one at once, and its asker reads from the bucket); past the limit
+itself, accept would fail (EMFILE) and the connections
 beyond would wait in the listener's backlog.
 """
 
@@ -28,7 +33,7 @@ import resource
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-__all__ = ["MAX_CONNECTIONS", "MAX_HEAD", "Reply", "Request", "Server", "plain", "room_for"]
+__all__ = ["HEAD_TIMEOUT_S", "MAX_CONNECTIONS", "MAX_HEAD", "Reply", "Request", "Server", "plain", "room_for"]
 
 _log = logging.getLogger("blobdata")
 
@@ -38,6 +43,12 @@ MAX_CONNECTIONS = 8192
 _WARN_BELOW = 1024
 
 MAX_HEAD = 16 * 1024  # bytes of a request line and headers
+#: Seconds a request head may take to arrive: from a connection's start to its first head, and from a
+#: head's first byte to its last. The asking side sends each head whole, in one write; a connection
+#: that holds one of the service's slots without asking (anyone who can reach the port) is closed. A
+#: connection idle between answers stays: it asked and was answered (a refusal closes it), so it is a
+#: job member's, whose pool reuses it.
+HEAD_TIMEOUT_S = 10.0
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _TARGET = re.compile(r"/[\x21-\x7e]*")
 _REASONS = {
@@ -120,14 +131,25 @@ class _Conn(asyncio.Protocol):
         self.buf = bytearray()
         self.task: asyncio.Task[None] | None = None
         self.paused = False  # the socket's send buffer is full: read no further request
+        self.timer: asyncio.TimerHandle | None = None  # a head is awaited: HEAD_TIMEOUT_S
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        if len(self.server.conns) >= self.server.max_connections:
-            transport.abort()
-            return
-        self.server.conns.add(self)
+        server = self.server
+        if len(server.conns) >= server.max_connections:
+            if not server.unasked:  # every connection has asked: each is answered, then kept or closed
+                transport.abort()
+                return
+            # Full: the connection that has waited longest without asking makes room (a job member's
+            # asks at once, so the connections of whoever opens many and asks nothing go first).
+            oldest = next(iter(server.unasked))
+            server.conns.discard(oldest)
+            server.unasked.pop(oldest, None)
+            oldest._close(abort=True)
+        server.conns.add(self)
+        server.unasked[self] = None
+        self._await_head()
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -136,12 +158,27 @@ class _Conn(asyncio.Protocol):
         elif len(self.buf) > MAX_HEAD:  # more than a request while one is answered: not our client
             self._close(abort=True)
 
+    def _await_head(self) -> None:
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.server.head_timeout, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self.timer = None
+        if self.task is None:  # (a head that came meanwhile disarmed the timer: this is a stale call)
+            self._close(abort=True)
+
     def _next(self) -> None:
         end = self.buf.find(b"\r\n\r\n")
         if end < 0:
             if len(self.buf) > MAX_HEAD:
                 self._answer(plain(431, "request head too large"), close=True)
+            elif self.buf:  # a head begun: it has HEAD_TIMEOUT_S to end
+                self._await_head()
             return
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.server.unasked.pop(self, None)
         if end > MAX_HEAD:
             self._answer(plain(431, "request head too large"), close=True)
             return
@@ -191,6 +228,10 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.conns.discard(self)
+        self.server.unasked.pop(self, None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.task is not None:
             self.task.cancel()
             self.task = None
@@ -238,10 +279,19 @@ def _open_files() -> int:
 class Server:
     """Serves ``handler``'s answers on ``host``:``port`` (0: a free port) of the running loop."""
 
-    def __init__(self, handler: Handler, *, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        head_timeout: float = HEAD_TIMEOUT_S,
+    ) -> None:
         self.handler = handler
         self.max_connections = max_connections
+        self.head_timeout = head_timeout
         self.conns: set[_Conn] = set()
+        #: The connections that have not sent a whole head yet, oldest first: at the limit, the first goes.
+        self.unasked: dict[_Conn, None] = {}
         self._server: asyncio.Server | None = None
         self.port = 0
 

@@ -34,7 +34,7 @@ from blobdata._loop import run
 from blobdata._peers.server import Server, plain
 async def handler(req):
     return plain(200, "ok")
-server = Server(handler)
+server = Server(handler, head_timeout=600)  # the test's connections wait long before they ask
 port = run(server.start("127.0.0.1", 0))
 print(port, resource.getrlimit(resource.RLIMIT_NOFILE)[0], server.max_connections, flush=True)
 for _ in sys.stdin:

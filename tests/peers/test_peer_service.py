@@ -5,6 +5,7 @@ with raw bytes where a request must be malformed."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import socket
@@ -269,6 +270,97 @@ def test_malformed_requests_are_refused_and_the_connection_closed(served: Served
     h2, _ = _signed(PATH + "?u=x")
     assert _ask(served.port, PATH + "?u=x", h2).status == 400  # signed, but not an object request
     assert _gets(served.proxy) == 0
+
+
+def _closed_after(sock: socket.socket, trickle: bytes = b"") -> float:
+    """Seconds until the server closes ``sock`` (sending ``trickle`` a byte per 0.05 s meanwhile)."""
+    t0 = time.monotonic()
+    sock.settimeout(0.05)
+    sent = 0
+    while time.monotonic() - t0 < 30:
+        if sent < len(trickle):
+            with contextlib.suppress(OSError):  # closed by the server meanwhile: read that below
+                sock.sendall(trickle[sent : sent + 1])
+            sent += 1
+        try:
+            if sock.recv(65536) == b"":
+                return time.monotonic() - t0
+        except TimeoutError:
+            continue
+        except ConnectionResetError:  # an abort: closed all the same
+            return time.monotonic() - t0
+    raise AssertionError("the server kept the connection for 30 s")
+
+
+def test_a_connection_that_asks_nothing_is_closed_a_job_members_idle_one_kept(served: Served) -> None:
+    """Anyone who can reach the port could hold the service's connection slots by asking nothing, or
+    a head a byte at a time: each gets HEAD_TIMEOUT_S for a whole head. A connection that was answered
+    and waits for its next request (a job member's pool) stays open."""
+    from blobdata._peers.server import HEAD_TIMEOUT_S
+
+    assert served.service.server.head_timeout == HEAD_TIMEOUT_S
+    served.service.server.head_timeout = 0.5
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as silent:
+        assert 0.4 < _closed_after(silent) < 10
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as slow:
+        # A byte every 0.05 s would never end a 16 KiB head: the clock runs from its first byte.
+        assert 0.4 < _closed_after(slow, b"GET /blobdata/v1/object?u=" + b"x" * 400) < 10
+    url, ident, size = served.objects[0]
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    socks = []
+    for _ in range(2):
+        target = _target(url, ident, size)
+        conn.request("GET", target, headers=_signed(target)[0])
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read() == payload(int(url.rsplit("/", 1)[1][:4]))
+        socks.append(conn.sock)
+        time.sleep(1.0)  # twice the timeout between requests
+    conn.close()
+    assert socks[0] is not None and socks[1] is socks[0]  # one connection, kept while it waited
+
+
+def test_at_the_connection_limit_the_oldest_that_never_asked_makes_room(served: Served) -> None:
+    """Whoever can reach the port can open connections; at the limit, the oldest that never sent a
+    head is closed for a new one, and a job member's connection, which asked, is never the one."""
+    url, ident, size = served.objects[0]
+    member = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+
+    def ask() -> None:
+        target = _target(url, ident, size)
+        member.request("GET", target, headers=_signed(target)[0])
+        resp = member.getresponse()
+        assert resp.status == 200 and len(resp.read()) == size
+
+    ask()
+    served.service.server.max_connections = 4
+    served.service.server.head_timeout = 600.0  # only the limit closes a connection here
+    strangers = [socket.create_connection(("127.0.0.1", served.port), timeout=30) for _ in range(3)]
+    try:
+        newest = socket.create_connection(("127.0.0.1", served.port), timeout=30)
+        strangers.append(newest)
+        assert _closed_after(strangers[0]) < 10  # the oldest that never asked
+        for s in strangers[1:]:  # the others are open: nothing to read, no end
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+        first = member.sock
+        ask()  # the member's connection was kept, and still serves
+        assert member.sock is first
+        # Once every connection has asked, a new one is what is closed.
+        for s in strangers[1:]:
+            s.setblocking(True)
+            target = _target(url, ident, size)
+            headers = "".join(f"{k}: {v}\r\n" for k, v in _signed(target)[0].items())
+            s.sendall(f"GET {target} HTTP/1.1\r\n{headers}\r\n".encode())
+            assert s.recv(12).startswith(b"HTTP/1.1 200")
+        late = socket.create_connection(("127.0.0.1", served.port), timeout=30)
+        strangers.append(late)
+        assert _closed_after(late) < 10
+        ask()
+    finally:
+        member.close()
+        for s in strangers:
+            s.close()
 
 
 def test_a_peer_beyond_its_bounds_is_told_busy(served: Served) -> None:
