@@ -19,8 +19,7 @@ server that starts raises its process's soft limit on open files toward the hard
 connections and as many again for the process's other files (:func:`room_for`), and takes no more
 connections than that limit leaves room for. Past that room a connection is closed as above (where
 every connection has asked, the new one at once, and its asker reads from the bucket); past the limit
-itself, accept would fail (EMFILE) and the connections
-beyond would wait in the listener's backlog.
+itself, accept would fail (EMFILE) and the connections beyond would wait in the listener's backlog.
 """
 
 from __future__ import annotations
@@ -164,7 +163,7 @@ class _Conn(asyncio.Protocol):
 
     def _too_slow(self) -> None:
         self.timer = None
-        if self.task is None:  # (a head that came meanwhile disarmed the timer: this is a stale call)
+        if self.task is None:  # (a whole head cancels the timer: no request is being answered here)
             self._close(abort=True)
 
     def _next(self) -> None:
