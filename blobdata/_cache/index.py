@@ -161,11 +161,20 @@ class IndexOps:
 
         SQLite's automatic checkpoints cannot restart the WAL while readers overlap without a
         pause (many workers calling get), so it would grow without bound; TRUNCATE waits for the
-        readers of old frames (microseconds each) and empties it.
+        readers of old frames (microseconds each) and empties it. It needs the write lock too, and
+        other processes' writers may keep winning it: the checkpoint then answers busy (a row, not an
+        error) and the WAL grows on. Past three quarters of the slack, this writer tries again until
+        the WAL is truncated (by it or another) before it writes more, as every writer does there,
+        so the writers stop adding to it and one checkpoint gets through (at most the timeout).
         """
         try:
-            if os.stat(self._wal_path).st_size > WAL_SLACK_BYTES // 2:
-                db.sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            if os.stat(self._wal_path).st_size <= WAL_SLACK_BYTES // 2:
+                return
+            deadline = time.monotonic() + db.timeout
+            while db.sql("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:  # busy: not truncated
+                if os.stat(self._wal_path).st_size <= WAL_SLACK_BYTES * 3 // 4 or time.monotonic() > deadline:
+                    return
+                time.sleep(0.002)
         except (OSError, sqlite3.Error) as exc:
             _log.debug("blobdata cache %s: WAL checkpoint skipped (%s)", self._directory, exc)
 
