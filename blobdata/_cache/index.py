@@ -13,14 +13,16 @@ import random
 import re
 import sqlite3
 import time
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 from .db import Index
 from .packs import parse_slice
 from .values import NAME_RE, Pending, Staged, Values, url_range
 
-__all__ = ["CHUNK", "SLACK_BYTES", "VOLUME_AND_COUNT", "WAL_SLACK_BYTES", "IndexOps", "Policy", "marks"]
+__all__ = [
+    "CHUNK", "SLACK_BYTES", "VOLUME_AND_COUNT", "WAL_SLACK_BYTES", "IndexOps", "Policy", "marks", "rows_of",
+]  # fmt: skip
 
 SLACK_BYTES = 64 * 1024
 """How far ``volume_bytes`` may exceed ``size_limit``: index pages added by one insert after its check."""
@@ -45,6 +47,13 @@ VOLUME_AND_COUNT = (
 def marks(n: int) -> str:
     """``n`` parameters of an ``IN (...)`` list."""
     return ",".join("?" * n)
+
+
+def rows_of(sql: Sql, columns: str, keys: list[str]) -> Iterator[Any]:
+    """``columns`` of the entries of ``keys`` that the index holds: one query per :data:`CHUNK` keys."""
+    for a in range(0, len(keys), CHUNK):
+        part = keys[a : a + CHUNK]
+        yield from sql(f"SELECT {columns} FROM entries WHERE key IN ({marks(len(part))})", part)
 
 
 class IndexOps:
@@ -182,12 +191,7 @@ class IndexOps:
     def _present(sql: Sql, keys: list[str]) -> set[str]:
         """Those of ``keys`` the index holds: one query per :data:`CHUNK` keys (a batch's puts), not
         one per key."""
-        found: set[str] = set()
-        for a in range(0, len(keys), CHUNK):
-            part = keys[a : a + CHUNK]
-            query = f"SELECT key FROM entries WHERE key IN ({marks(len(part))})"
-            found.update(k for (k,) in sql(query, part))
-        return found
+        return {k for (k,) in rows_of(sql, "key", keys)}
 
     @staticmethod
     def _stale_bytes(sql: Sql, url: str) -> int:

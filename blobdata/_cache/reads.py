@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from .._errors import CacheError
 from .db import Index
-from .index import CHUNK, IndexOps, marks
+from .index import CHUNK, IndexOps, marks, rows_of
 from .values import Corrupt, Refused, Values, key_of
 
 __all__ = ["Opened", "ReadOps"]
@@ -151,11 +151,6 @@ class ReadOps(IndexOps):
     def _rows(db: Index, keys: list[str]) -> list[tuple[int, Any, Any] | None]:
         """The ``(rowid, filename, inline)`` of each key (None where absent), one query per chunk."""
         found: dict[str, tuple[int, Any, Any]] = {}
-        for a in range(0, len(keys), CHUNK):
-            part = keys[a : a + CHUNK]
-            cursor = db.sql(
-                f"SELECT key, rowid, filename, inline FROM entries WHERE key IN ({marks(len(part))})", part
-            )
-            for key, rowid, filename, inline in cursor:
-                found[key] = (rowid, filename, inline)
+        for key, rowid, filename, inline in rows_of(db.sql, "key, rowid, filename, inline", keys):
+            found[key] = (rowid, filename, inline)
         return [found.get(k) for k in keys]

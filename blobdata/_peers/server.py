@@ -161,10 +161,9 @@ class _Conn(asyncio.Protocol):
         if self.timer is None:
             self.timer = asyncio.get_running_loop().call_later(self.server.head_timeout, self._too_slow)
 
-    def _too_slow(self) -> None:
+    def _too_slow(self) -> None:  # (a whole head cancels the timer: no request is answered here)
         self.timer = None
-        if self.task is None:  # (a whole head cancels the timer: no request is being answered here)
-            self._close(abort=True)
+        self._close(abort=True)
 
     def _next(self) -> None:
         end = self.buf.find(b"\r\n\r\n")
