@@ -2,11 +2,13 @@
 
 A node's peer service (``blobdata._peers.Service``) runs in a child process with a warm cache of
 ``--objects`` objects of ``--size`` bytes homed on it; this process asks for all of them through a
-``PeerClient``, ``--inflight`` reads at a time (as a look-ahead does: the reads of one loop turn go as one
-request per peer), then reads the same objects from a cache of its own in batches of ``--batch`` (a
+``PeerClient`` as a look-ahead does: ``--batch`` reads begun together (the reads of one loop turn go as
+one request per peer), up to ``--inflight`` in flight. It reads them twice, each read in a task of its
+own (``PeerClient.read``) and each started as one of its batch without a task (``PeerClient.start``, the
+look-ahead's misses), then reads the same objects from a cache of its own in batches of ``--batch`` (a
 batch's cache hits, as ``PartitionedSampler``'s epochs read them). Each round prints the CPU per object of
-the service's process, of this process for the peer reads, and of this process for the cache hits:
-what a peer read costs a job beyond a hit (``bench_peers.py`` says what that does to an epoch).
+the service's process, of this process for the peer reads both ways, and of this process for the cache
+hits: what a peer read costs a job beyond a hit (``bench_peers.py`` says what that does to an epoch).
 
 ``--job-nodes`` makes the job that many nodes (the others never asked): each read finds its object's
 home as a dataset's read does, and the service checks that it is home for every object asked.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import shutil
@@ -42,6 +45,8 @@ NAMES = ("127.0.0.2", "127.0.0.3")  # the service's node is the first, this proc
 def _names(nodes: int) -> tuple[str, ...]:
     """A job of ``nodes`` nodes: the service's, this process's, and others that are never asked."""
     return NAMES + tuple(f"10.0.{k // 250}.{k % 250 + 1}" for k in range(nodes - len(NAMES)))
+
+
 ROOT = "s3://bench/train"
 
 
@@ -98,24 +103,47 @@ def serve(directory: str, n: int, size: int, nodes: int) -> int:
     return 0
 
 
-def _peer_round(client: Any, objects: list[tuple[str, str, int]], inflight: int) -> float:
-    """This process's CPU seconds to read ``objects`` from the peer, ``inflight`` at a time."""
+def _peer_round(
+    client: Any, objects: list[tuple[str, str, int]], inflight: int, batch: int, started: bool
+) -> float:
+    """This process's CPU seconds to read ``objects`` from the peer as a look-ahead does: ``batch`` reads
+    begun together, up to ``inflight`` in flight, each batch awaited in turn; each read started as one
+    of a batch (``started``: ``PeerClient.start``, the look-ahead's misses now) or in a task of its own
+    (``PeerClient.read``, as every read was before)."""
     from blobdata._loop import run
 
     async def bucket() -> tuple[bytes, str]:
         raise RuntimeError("a peer read went to the bucket: the benchmark's service is not answering")
 
-    async def reads() -> None:
-        gate = asyncio.Semaphore(inflight)
+    def begin(url: str, identity: str, size: int) -> asyncio.Future[Any]:
+        # Its home found as a dataset's read finds it (blobdata._dataset.peering).
+        home = client.home_of(url)
+        if started:
+            fut = client.start(home, url, size, identity, bucket)
+            if fut is None:
+                raise RuntimeError(f"{url}: could not be started")
+            return fut
+        return asyncio.ensure_future(client.read(home, url, size, identity, bucket))
 
-        async def one(url: str, identity: str, size: int) -> None:
-            async with gate:
-                # Its home found as a dataset's read finds it (blobdata._dataset.peering.read_from_home).
-                data, from_peer = await client.read(client.home_of(url), url, size, identity, bucket)
-                if not from_peer or len(data) != size:
+    async def reads() -> None:
+        waiting: collections.deque[tuple[list[tuple[str, str, int]], list[asyncio.Future[Any]]]] = (
+            collections.deque()
+        )
+
+        async def done() -> None:
+            part, futs = waiting.popleft()
+            for (url, _, size), got in zip(part, await asyncio.gather(*futs), strict=True):
+                data = got if started else got[0]
+                if len(data) != size or not (started or got[1]):
                     raise RuntimeError(f"{url}: not read from the peer")
 
-        await asyncio.gather(*(one(*o) for o in objects))
+        for k in range(0, len(objects), batch):
+            part = objects[k : k + batch]
+            waiting.append((part, [begin(*o) for o in part]))
+            if len(waiting) * batch >= inflight:
+                await done()
+        while waiting:
+            await done()
 
     c0 = cpu_seconds()
     run(reads(), 600)
@@ -141,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--objects", type=int, default=4000)
     p.add_argument("--size", type=int, default=27000, help="bytes per object (bench_peers' JPEGs: ~27 KB)")
     p.add_argument("--inflight", type=int, default=48, help="peer reads in flight (a look-ahead's)")
-    p.add_argument("--batch", type=int, default=32, help="cache hits per lookup (a batch's)")
+    p.add_argument("--batch", type=int, default=32, help="reads begun together, and cache hits per lookup")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--job-nodes", type=int, default=2, help="nodes in the job (each read finds its home)")
     p.add_argument("--json", type=Path, default=None)
@@ -181,17 +209,22 @@ def main(argv: list[str] | None = None) -> int:
         addresses = (f"127.0.0.1:{head[1]}", *["127.0.0.1:9"] * (len(names) - 1))
         table_ = PeerTable(SECRET, names, addresses, 1, 16)
         client = PeerClient(table_)
-        _peer_round(client, objects[:64], args.inflight)  # connections open, code warm
+        for started in (False, True):  # connections open, code warm
+            _peer_round(client, objects[:64], args.inflight, args.batch, started)
+        n = args.objects
         for r in range(args.rounds):
             say("mark")
-            asker = _peer_round(client, objects, args.inflight)
-            service = float(say("cpu"))
+            tasks = _peer_round(client, objects, args.inflight, args.batch, False)
+            asker = _peer_round(client, objects, args.inflight, args.batch, True)
+            service = float(say("cpu")) / 2  # both ways' requests
             hit = _hit_round(mine, objects, args.batch)
-            n = args.objects
             got = {"service_us": service / n * 1e6, "asker_us": asker / n * 1e6, "hit_us": hit / n * 1e6}
+            got["asker_task_us"] = tasks / n * 1e6
             got["peer_us"] = got["service_us"] + got["asker_us"]
             rounds.append(got)
-            cells = (f"{got[k]:.1f}" for k in ("service_us", "asker_us", "peer_us", "hit_us"))
+            cells = (
+                f"{got[k]:.1f}" for k in ("service_us", "asker_task_us", "asker_us", "peer_us", "hit_us")
+            )
             rows.append([str(r + 1), *cells])
         run(client.aclose())
     finally:
@@ -205,11 +238,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.inflight} peer reads in flight, cache hits "
         f"{args.batch} per lookup; load average {load0[0]:.1f} before, {load1[0]:.1f} after"
     )
-    print(table(["round", "service us/object", "asker us/object", "peer read us", "cache hit us"], rows))
+    heads = ["round", "service us/object", "asker us, a task per read", "asker us, started as a batch"]
+    print(table([*heads, "peer read us", "cache hit us"], rows))
     med = {k: statistics.median(g[k] for g in rounds) for k in rounds[0]}
     print(
         f"median: a peer read {med['peer_us']:.1f} us of CPU (service {med['service_us']:.1f}, asker "
-        f"{med['asker_us']:.1f}), a cache hit {med['hit_us']:.1f} us: {med['peer_us'] / med['hit_us']:.1f}x"
+        f"{med['asker_us']:.1f}), a cache hit {med['hit_us']:.1f} us: {med['peer_us'] / med['hit_us']:.1f}x; "
+        f"the asker with a task per read {med['asker_task_us']:.1f} us: "
+        f"{med['asker_task_us'] / med['asker_us']:.2f}x started as a batch"
     )
     if args.json is not None:
         settings = {k: v for k, v in vars(args).items() if k != "json"}

@@ -332,11 +332,19 @@ class BlobDatasetBase:
             # only those it misses, which are not looked up again.
             cached = self._cached if self._marks_present() else None
             fetch = functools.partial(self._load, checked=True) if cached is not None else self._load
+            many = self._loads_from_homes(proc) if cached is not None and proc.peers is not None else None
             proc.lookahead = LookAhead(
                 fetch, self._size_of, max_items=self.lookahead, max_bytes=self.lookahead_bytes,
-                cached=cached, handed=proc.handed,
+                cached=cached, handed=proc.handed, fetch_many=many,
             )  # fmt: skip
         return proc.lookahead
+
+    def _loads_from_homes(
+        self, proc: ProcessState
+    ) -> Callable[[list[int]], list[asyncio.Future[Any]]] | None:
+        """How the look-ahead starts its misses' reads from their homes as one batch (indices -> a
+        future of each one's :meth:`_load`), where this dataset can; None: a task per sample."""
+        return None
 
     async def _gather(
         self,

@@ -9,6 +9,7 @@ staging area) is created lazily in each process and recreated when the process i
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
 import os
@@ -40,7 +41,8 @@ from .imagefolder import (
     hidden_classes,
     path_prefix,
 )
-from .reads import Objects
+from .peering import start_from_homes
+from .reads import Objects, ProcessState
 
 __all__ = ["FolderDataset"]
 
@@ -270,6 +272,9 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         (then offered to the cache)."""
         m = self._manifest
         return (await self._fetch_object(m.url(i), m.size(i), m.identity(i), checked=checked))[0]
+
+    def _loads_from_homes(self, proc: ProcessState) -> Callable[[list[int]], list[asyncio.Future[Any]]]:
+        return functools.partial(start_from_homes, self, proc)
 
     def _objects(self, indices: list[int]) -> Objects:
         m = self._manifest

@@ -5,6 +5,7 @@ makes for the others.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from typing import Any
@@ -25,7 +26,7 @@ from .._peers import (
 from .._url import printable
 from .reads import Objects, ProcessState
 
-__all__ = ["away", "join_peers", "not_kept", "note_homes", "read_from_home", "serve_peer"]
+__all__ = ["away", "join_peers", "not_kept", "note_homes", "read_from_home", "serve_peer", "start_from_homes"]
 
 _log = logging.getLogger("blobdata")
 
@@ -69,6 +70,26 @@ async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: 
     else:
         v[_stats.N_FROM_BUCKET if _stats.next_epoch() else _stats.FROM_BUCKET] += 1
     return data
+
+
+def start_from_homes(ds: Any, proc: ProcessState, indices: list[int]) -> list[asyncio.Future[Any]]:
+    """The look-ahead's reads of ``indices`` (samples of one object each, which this node's cache
+    misses) from their homes, started as one batch: each joins the next request to its home without a
+    task of its own (:meth:`~blobdata._peers.PeerClient.start`); where a read cannot start so, a task
+    reads it as :func:`read_from_home` does. Each future gets the object's bytes."""
+    peers, homes = proc.peers, proc.homes
+    assert peers is not None
+    objects = ds._objects(indices)
+    fetch = proc.engine.fetch
+    out: list[asyncio.Future[Any]] = []
+    for i, url, size, identity in zip(indices, objects.urls, objects.sizes, objects.ids, strict=True):
+        fut = None
+        if identity and size >= 0:
+            home = homes.pop(url, None)
+            bucket = functools.partial(fetch, url, size=size, identity=identity)
+            fut = peers.start(peers.home_of(url) if home is None else home, url, size, identity, bucket)
+        out.append(fut if fut is not None else asyncio.ensure_future(ds._load(i, checked=True)))
+    return out
 
 
 def note_homes(proc: ProcessState, objects: Objects, found: list[bool], limit: int) -> None:

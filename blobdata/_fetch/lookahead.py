@@ -223,7 +223,9 @@ class Stager:
     one's objects are all in the node cache: one index lookup), what the cache holds is not fetched:
     it is marked *present* and left to the thread serving its batch, which reads it from the cache
     itself (one lookup per batch, in the thread that uses the bytes); only the rest is fetched. What
-    is in ``handed`` (a new worker's hand-over, which that thread takes itself) is neither.
+    is in ``handed`` (a new worker's hand-over, which that thread takes itself) is neither. With
+    ``fetch_many`` (indices -> a future of each one's bytes), what the cache misses is started as one
+    batch there instead of a task per index (``fetch``).
     """
 
     def __init__(
@@ -235,8 +237,10 @@ class Stager:
         max_bytes: int,
         cached: Callable[[list[int]], list[bool]] | None = None,
         handed: Container[int] = (),
+        fetch_many: Callable[[list[int]], list[asyncio.Future[Any]]] | None = None,
     ) -> None:
         self._fetch = fetch
+        self._fetch_many = fetch_many
         self._size_of = size_of
         self._cached = cached
         self._handed = handed
@@ -281,12 +285,20 @@ class Stager:
             return handled
         found = self._cached(chosen) if self._cached is not None else None
         with self._lock:
+            missing: list[int] = []  # positions in chosen
             for k, i in enumerate(chosen):
                 if found is not None and found[k]:
                     present.add(i)
                 else:
-                    tasks[i] = asyncio.ensure_future(self._fetch(i))
-                    self._bytes += sizes[k]
+                    missing.append(k)
+            many = self._fetch_many
+            if many is not None and missing:
+                started = many([chosen[k] for k in missing])
+            else:
+                started = [asyncio.ensure_future(self._fetch(chosen[k])) for k in missing]
+            for k, fut in zip(missing, started, strict=True):
+                tasks[chosen[k]] = fut
+                self._bytes += sizes[k]
             self.peak_items = max(self.peak_items, len(tasks) + len(present))
             self.peak_bytes = max(self.peak_bytes, self._bytes)
         return handled
@@ -346,10 +358,12 @@ class LookAhead:
         max_bytes: int,
         cached: Callable[[list[int]], list[bool]] | None = None,
         handed: Container[int] = (),
+        fetch_many: Callable[[list[int]], list[asyncio.Future[Any]]] | None = None,
     ) -> None:
         self.stager = Stager(
-            fetch, size_of, max_items=max_items, max_bytes=max_bytes, cached=cached, handed=handed
-        )
+            fetch, size_of, max_items=max_items, max_bytes=max_bytes, cached=cached, handed=handed,
+            fetch_many=fetch_many,
+        )  # fmt: skip
         self._plan_key: tuple[str, int] | None = None  # (channel, plan) of the epoch being staged
         self._plan: Plan | None = None
         self._ramp = 0  # batches served this epoch, up to where the depth is full

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hmac
 import logging
 import time
@@ -121,18 +122,29 @@ class _Peer:
 
 class _Want:
     """One read waiting for a peer: ``fut`` gets the peer's bytes, None (the bucket's turn) or
-    :data:`_HEDGE` (the peer is slow: ask the bucket too, and ``late`` gets the peer's answer)."""
+    :data:`_HEDGE` (the peer is slow: ask the bucket too, and ``late`` gets the peer's answer). A read
+    started without a task of its own (:meth:`PeerClient.start`) has its ``bucket`` read and the
+    counters its answer goes to (``rec``'s slot ``from_peer`` or ``from_bucket``), and ``fut`` gets its
+    bytes (or error) whatever gave them."""
 
-    __slots__ = ("fut", "late", "query", "size")
+    __slots__ = ("bucket", "from_bucket", "from_peer", "fut", "late", "query", "rec", "size")
+    rec: _stats.Slots
+    from_peer: int
+    from_bucket: int
 
     def __init__(self, query: str, size: int, fut: asyncio.Future[Any]) -> None:
         self.query, self.size, self.fut = query, size, fut
         self.late: asyncio.Future[bytes | None] | None = None
+        self.bucket: Bucket | None = None
 
 
 _HEDGE = object()
 
 Bucket = Callable[[], Awaitable[tuple[bytes, str]]]
+
+
+def _query(url: str, identity: str, size: int) -> str:
+    return f"u={quote(url, safe=_SAFE)}&e={quote(identity, safe=_SAFE)}&n={size}"
 
 
 class PeerClient:
@@ -147,6 +159,7 @@ class PeerClient:
         self._tokens = _HEDGE_BURST  # hedges this process may start now
         self._pool: H1Pool | None = None  # made on the loop at the first ask (one process, one loop)
         self._batches: set[asyncio.Task[None]] = set()  # requests in flight (held: a task is weakly kept)
+        self._rests: set[asyncio.Task[None]] = set()  # reads of :meth:`start` gone to the bucket
 
     def _get_pool(self) -> H1Pool:
         if self._pool is None:
@@ -183,32 +196,87 @@ class PeerClient:
         slow). The read joins the next request to the peer (:meth:`_dispatch`); the request decides
         when a read is slow (:meth:`_batch`), and a slow read races the bucket here."""
         loop = asyncio.get_running_loop()
-        want = _Want(
-            f"u={quote(url, safe=_SAFE)}&e={quote(identity, safe=_SAFE)}&n={size}", size, loop.create_future()
-        )
+        want = _Want(_query(url, identity, size), size, loop.create_future())
+        self._queue(peer, want, loop)
+        got = await want.fut
+        if got is not _HEDGE:
+            return got, None
+        assert want.late is not None
+        return await _race(want.late, bucket)
+
+    def start(
+        self, home: int, url: str, size: int, identity: str, bucket: Bucket
+    ) -> asyncio.Future[bytes] | None:
+        """:meth:`read` of ``url`` (its bytes only), counted as the dataset counts a read from a home
+        (``FROM_PEER`` from another node, else ``FROM_BUCKET``, the next epoch's where
+        :func:`~blobdata._metrics.stats.next_epoch`), without a task or coroutine of its own: it joins
+        the next request to ``home`` and the answer sets the future; a task is made only for a read the
+        peer does not answer in time or with its bytes (the bucket's). For the look-ahead's misses,
+        started as a batch. None where a read cannot start so (``home`` is this process's own service,
+        or a peer given up for now): :meth:`read` it."""
+        if home == self.me and isinstance(service_of(self.table), Service):
+            return None
+        peer = self._peers[home]
+        if peer.down_until > time.monotonic():
+            return None
+        loop = asyncio.get_running_loop()
+        want = _Want(_query(url, identity, size), size, loop.create_future())
+        want.bucket, want.rec = bucket, _stats.rec()
+        later = _stats.next_epoch()
+        want.from_bucket = _stats.N_FROM_BUCKET if later else _stats.FROM_BUCKET
+        want.from_peer = _stats.N_FROM_PEER if later else _stats.FROM_PEER
+        if home == self.me:  # its own node's service (in another process): counted as a bucket read
+            want.from_peer = want.from_bucket
+        self._queue(peer, want, loop)
+        return want.fut
+
+    def _queue(self, peer: _Peer, want: _Want, loop: asyncio.AbstractEventLoop) -> None:
         peer.pending.append(want)
         if not peer.queued:  # every read the loop starts in this turn joins the same request
             peer.queued = True
             loop.call_soon(self._dispatch, peer)
-        got = await want.fut
-        if got is not _HEDGE:
-            return got, None
-        late = want.late
-        assert late is not None
-        hedge = asyncio.ensure_future(bucket())
+
+    def _answer(self, want: _Want, got: Any) -> None:
+        """Give ``want`` what its request got for it (its bytes, None or :data:`_HEDGE`): to its reader,
+        or, for a read started without one (:meth:`start`), as its bytes, counted, or to a task that
+        reads the bucket."""
+        fut = want.fut
+        if fut.done():  # its reader left
+            return
+        if want.bucket is None:
+            fut.set_result(got)
+        elif got is None or got is _HEDGE:
+            task = asyncio.get_running_loop().create_task(self._rest(want))
+            self._rests.add(task)
+            task.add_done_callback(self._rests.discard)
+            fut.add_done_callback(functools.partial(_cancel_unless_done, task))
+        else:
+            want.rec[want.from_peer] += 1
+            fut.set_result(got)
+
+    async def _rest(self, want: _Want) -> None:
+        """A read started by :meth:`start` that its peer did not answer with its bytes: from the bucket,
+        raced against the peer's late answer if the peer was only slow."""
+        fut, bucket = want.fut, want.bucket
+        assert bucket is not None
         try:
-            await asyncio.wait((late, hedge), return_when=asyncio.FIRST_COMPLETED)
-            if not late.done() and hedge.exception() is not None:
-                await late  # the bucket failed: the peer may still answer
-            data = late.result() if late.done() else None
-            if data is not None:
-                hedge.cancel()
-                await asyncio.gather(hedge, return_exceptions=True)
-                return data, None
-            return None, hedge
-        except BaseException:
-            hedge.cancel()
+            hedge = None
+            if want.late is not None:
+                data, hedge = await _race(want.late, bucket)
+                if data is not None:
+                    want.rec[want.from_peer] += 1
+                    _settle(fut, data)
+                    return
+            want.rec[_stats.PEER_FALLBACK] += 1
+            data = (await (hedge if hedge is not None else bucket()))[0]
+            want.rec[want.from_bucket] += 1
+            _settle(fut, data)
+        except asyncio.CancelledError:
+            fut.cancel()
             raise
+        except Exception as exc:  # the bucket's error is the read's
+            if not fut.done():
+                fut.set_exception(exc)
 
     def _dispatch(self, peer: _Peer) -> None:
         """Send what waits for ``peer`` as requests of up to :data:`MAX_OBJECTS` objects (and a
@@ -218,7 +286,7 @@ class PeerClient:
         pending = peer.pending
         if peer.down_until > time.monotonic():  # it failed meanwhile: the bucket's turn for all
             while pending:
-                _settle(pending.popleft().fut, None)
+                self._answer(pending.popleft(), None)
             return
         room = self.table.per_peer - peer.inflight
         while pending and room > 0:
@@ -260,7 +328,7 @@ class PeerClient:
                             self._tokens -= 1.0
                             _stats.rec()[_stats.PEER_HEDGED] += 1
                             want.late = asyncio.get_running_loop().create_future()
-                            want.fut.set_result(_HEDGE)
+                            self._answer(want, _HEDGE)
                     deadline = max(_DEADLINE_S, _DEADLINE_TIMES * after)
                     done, _ = await asyncio.wait((ask,), timeout=deadline - after)
                     if not done:
@@ -273,7 +341,11 @@ class PeerClient:
                 raise
         finally:
             for k, want in enumerate(batch):
-                _settle(want.late if want.late is not None else want.fut, got[k] if got is not None else None)
+                one = got[k] if got is not None else None
+                if want.late is not None:
+                    _settle(want.late, one)
+                else:
+                    self._answer(want, one)
             peer.inflight -= len(batch)
             if peer.pending and not peer.queued:
                 peer.queued = True
@@ -288,7 +360,7 @@ class PeerClient:
         t = time.perf_counter()
         try:
             resp = await self._get_pool().get(
-                peer.origin, target, headers, _TIMEOUT_S, max_body=sum(w.size for w in batch)
+                peer.origin, target, headers, _TIMEOUT_S, max_body=sum(w.size for w in batch), as_buffer=True
             )
         except asyncio.CancelledError:
             raise
@@ -306,7 +378,8 @@ class PeerClient:
         out, cold = None, False
         signed = (resp.headers.get("X-Blobdata-Signature") or "").encode("latin-1")
         if hmac.compare_digest(signed, want.encode()):
-            out, cold = _split(table, resp.body, [w.size for w in batch])
+            body = resp.buffer if resp.buffer is not None else resp.body
+            out, cold = _split(table, body, [w.size for w in batch])
         if out is None:
             _stats.rec()[_stats.PEER_WRONG] += 1
             self._failed(peer, "sent a wrong answer (signature, table, length or checksum)")
@@ -328,9 +401,10 @@ class PeerClient:
     async def aclose(self) -> None:
         """Close this process's connections to the peers (a request in flight is given up: its reads
         go to the bucket)."""
-        for task in list(self._batches):
+        tasks = [*self._batches, *self._rests]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._batches, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.aclose()
@@ -341,7 +415,33 @@ def _settle(fut: asyncio.Future[Any], value: bytes | None) -> None:
         fut.set_result(value)
 
 
-def _split(table: str, body: bytes, sizes: list[int]) -> tuple[list[bytes | None] | None, bool]:
+def _cancel_unless_done(task: asyncio.Task[None], fut: asyncio.Future[Any]) -> None:
+    if fut.cancelled():  # the reader left: its bucket read too
+        task.cancel()
+
+
+async def _race(
+    late: asyncio.Future[bytes | None], bucket: Bucket
+) -> tuple[bytes | None, asyncio.Future[tuple[bytes, str]] | None]:
+    """A slow peer's ``late`` answer raced against ``bucket()``: the peer's bytes if they come first
+    (or the bucket fails), else None and the bucket's read."""
+    hedge = asyncio.ensure_future(bucket())
+    try:
+        await asyncio.wait((late, hedge), return_when=asyncio.FIRST_COMPLETED)
+        if not late.done() and hedge.exception() is not None:
+            await late  # the bucket failed: the peer may still answer
+        data = late.result() if late.done() else None
+        if data is not None:
+            hedge.cancel()
+            await asyncio.gather(hedge, return_exceptions=True)
+            return data, None
+        return None, hedge
+    except BaseException:
+        hedge.cancel()
+        raise
+
+
+def _split(table: str, body: bytes | bytearray, sizes: list[int]) -> tuple[list[bytes | None] | None, bool]:
     """Each object's bytes from an answer's ``body`` as its ``table`` says (None for ``-``: the bucket
     refused it), checked against the ``sizes`` asked and its checksum; and whether any was read from
     the bucket first. ``(None, False)`` for an answer that is wrong in any way."""
@@ -358,7 +458,7 @@ def _split(table: str, body: bytes, sizes: list[int]) -> tuple[list[bytes | None
         n, dot, crc = entry[1:].partition(".")
         if entry[:1] not in ("c", "b") or not dot or n != str(size) or pos + size > len(body):
             return None, False
-        data = body if size == len(body) else bytes(view[pos : pos + size])
+        data = bytes(view[pos : pos + size])
         if crc_text(data) != crc:
             return None, False
         pos += size

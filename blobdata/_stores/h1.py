@@ -141,12 +141,15 @@ class H1Pool:
         *,
         max_body: int = MAX_BODY,
         ranged: bool = False,
+        as_buffer: bool = False,
     ) -> Response:
         """GET ``target`` (path and query, already encoded) from ``origin`` (``http[s]://host[:port]``)
         with ``headers`` (Host included), within ``timeout`` seconds from now, connect to last byte.
 
         ``max_body``: the most bytes a 2xx body may have (a larger one is :class:`BadResponse`, no
-        buffer made for it); ``ranged``: ``headers`` ask for a range, so only a 206 is a success."""
+        buffer made for it); ``ranged``: ``headers`` ask for a range, so only a 206 is a success;
+        ``as_buffer``: a 2xx body is left in the bytearray it was received into (``Response.buffer``,
+        ``body`` empty), for a caller that copies its parts out anyway."""
         loop = self._loop
         deadline = loop.time() + timeout
         if self._closed:
@@ -171,7 +174,7 @@ class H1Pool:
             if conn is None:
                 conn = await self._connect(origin, route, deadline)
             fut: asyncio.Future[Response] = loop.create_future()
-            conn.send(request, fut, max_body, ranged)
+            conn.send(request, fut, max_body, ranged, as_buffer)
             timer = loop.call_at(deadline, conn.expire)
             try:
                 resp = await fut

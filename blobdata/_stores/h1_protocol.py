@@ -88,12 +88,22 @@ class Headers:
 
 class Response:
     """A complete response: ``status``, ``headers``, ``body`` and ``content_length`` (the declared
-    Content-Length in bytes, None when chunked or close-delimited). A non-2xx body is cut at 64 KiB."""
+    Content-Length in bytes, None when chunked or close-delimited). A non-2xx body is cut at 64 KiB.
+    ``buffer``: a 2xx body left in the buffer it was received into, where the request asked for that
+    (``body`` is then empty)."""
 
-    __slots__ = ("body", "content_length", "headers", "status")
+    __slots__ = ("body", "buffer", "content_length", "headers", "status")
 
-    def __init__(self, status: int, headers: Headers, body: bytes, content_length: int | None) -> None:
+    def __init__(
+        self,
+        status: int,
+        headers: Headers,
+        body: bytes,
+        content_length: int | None,
+        buffer: bytearray | None = None,
+    ) -> None:
         self.status, self.headers, self.body, self.content_length = status, headers, body, content_length
+        self.buffer = buffer
 
 
 class Conn(asyncio.BufferedProtocol):
@@ -111,6 +121,7 @@ class Conn(asyncio.BufferedProtocol):
         self.got = self.need = 0  # body bytes received / wanted (Content-Length mode)
         self.max_body = MAX_BODY  # the most bytes a 2xx body of the current request may have
         self.ranged = False  # the current request asked for a range: 206 expected, 200 refused
+        self.as_buffer = False  # the current request takes a 2xx body as the bytearray received into
         self.extra = 0  # informational heads, then trailer bytes, of the current response
         self.length: int | None = None
         self.status = 0
@@ -170,12 +181,20 @@ class Conn(asyncio.BufferedProtocol):
         self.pool._lost(self)
 
     # -- the request ---------------------------------------------------------------------------
-    def send(self, request: bytes, fut: asyncio.Future[Response], max_body: int, ranged: bool) -> None:
+    def send(
+        self,
+        request: bytes,
+        fut: asyncio.Future[Response],
+        max_body: int,
+        ranged: bool,
+        as_buffer: bool = False,
+    ) -> None:
         """Write ``request``; its response goes to ``fut``. ``max_body``: the most bytes a 2xx body
-        may have; ``ranged``: the request asked for a range (a 200 is refused, a 206 expected)."""
+        may have; ``ranged``: the request asked for a range (a 200 is refused, a 206 expected);
+        ``as_buffer``: a 2xx body is given as the bytearray it was received into (``Response.buffer``)."""
         assert self.transport is not None
         self.fut, self.state, self.got, self.extra = fut, _HEAD, 0, 0
-        self.max_body, self.ranged = max_body, ranged
+        self.max_body, self.ranged, self.as_buffer = max_body, ranged, as_buffer
         self.transport.write(request)
 
     def expire(self) -> None:
@@ -360,10 +379,12 @@ class Conn(asyncio.BufferedProtocol):
                 raise BadResponse(f"the chunked body runs past the {cap} bytes asked for")
 
     def _finish(self) -> None:
-        body = bytes(self.body)
-        self.body = bytearray()
+        received, self.body = self.body, bytearray()
         self.state = _DONE
-        resp = Response(self.status, Headers(self.headers), body, self.length)
+        if self.as_buffer and self.status < 300:  # the caller cuts it up: no copy of the whole here
+            resp = Response(self.status, Headers(self.headers), b"", self.length, received)
+        else:
+            resp = Response(self.status, Headers(self.headers), bytes(received), self.length)
         if self.fut is not None and not self.fut.done():
             self.fut.set_result(resp)
 

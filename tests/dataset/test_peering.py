@@ -57,3 +57,45 @@ def test_a_read_takes_its_note_and_scores_no_home_itself() -> None:
     assert asked == [(3, "s3://b/d/a.jpg")] and not scored and not proc.homes
     assert run(read_from_home(proc, peers, "s3://b/d/b.jpg", 2, "e")) == b"xx"  # type: ignore[arg-type]
     assert asked[1] == (5, "s3://b/d/b.jpg") and scored == ["s3://b/d/b.jpg"]
+
+
+def test_the_look_ahead_starts_its_misses_from_their_noted_homes_and_the_rest_in_tasks() -> None:
+    """``start_from_homes`` (the look-ahead's misses with peers on): each read starts at the home the
+    look-ahead noted (taking the note) or scores its own; a read whose identity is unknown, or that the
+    client cannot start without a task (its peer given up, its home this process's own service), is
+    made by the dataset's own ``_load`` in a task. One future per index, in order."""
+    import asyncio
+
+    from blobdata._dataset.peering import start_from_homes
+    from blobdata._loop import run
+
+    urls = [f"s3://b/d/{k}.jpg" for k in range(4)]
+    started: list[tuple[int, str, int, str]] = []
+    loaded: list[int] = []
+
+    def start(home: int, url: str, size: int, identity: str, bucket: object) -> asyncio.Future[bytes] | None:
+        started.append((home, url, size, identity))
+        if home == 7:  # given up for now
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(b"p" * size)
+        return fut
+
+    async def load(i: int, *, checked: bool = False) -> bytes:
+        assert checked  # the look-ahead found it missing: not looked up in the cache again
+        loaded.append(i)
+        return b"t" * (i + 1)
+
+    peers = types.SimpleNamespace(start=start, home_of=lambda url: 7 if url == urls[3] else 2)
+    engine = types.SimpleNamespace(fetch=lambda *_, **__: None)
+    proc = types.SimpleNamespace(peers=peers, homes={urls[0]: 5}, engine=engine)
+    objects = Objects([10, 11, 12, 13], None, urls, [3, 4, 5, 6], ["e0", "e1", "", "e3"])
+    ds = types.SimpleNamespace(_objects=lambda indices: objects, _load=load)
+
+    async def go() -> list[bytes]:
+        futs = start_from_homes(ds, proc, [10, 11, 12, 13])  # type: ignore[arg-type]
+        return list(await asyncio.gather(*futs))
+
+    assert run(go(), 30) == [b"ppp", b"pppp", b"t" * 13, b"t" * 14]
+    assert started == [(5, urls[0], 3, "e0"), (2, urls[1], 4, "e1"), (7, urls[3], 6, "e3")]
+    assert loaded == [12, 13] and not proc.homes  # the note taken; no identity: never started

@@ -57,15 +57,17 @@ def test_bench_peers_small(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_peer_read_small(tmp_path: Path) -> None:
-    """benchmarks/bench_peer_read.py: every object read from the service's cache through a PeerClient
-    (a read that went to the bucket fails the run), then from a cache of its own; the CPU per object
-    of each side and of a hit is reported, round by round and as medians."""
+    """benchmarks/bench_peer_read.py: every object read from the service's cache through a PeerClient,
+    both ways (a task per read; started as a batch), a read that went to the bucket failing the run,
+    then from a cache of its own; the CPU per object of each side and of a hit is reported, round by
+    round and as medians."""
     args = ["--objects", "200", "--size", "3000", "--rounds", "2", "--job-nodes", "40"]  # homes in numpy
     printed, doc = _bench("bench_peer_read.py", args, tmp_path / "out.json", 100)
     assert "median: a peer read" in printed and "a job of 40 nodes" in printed
+    assert "x started as a batch" in printed
     assert len(doc["rounds"]) == 2
     for r in doc["rounds"]:
-        assert r["service_us"] > 0 and r["asker_us"] > 0 and r["hit_us"] > 0
+        assert r["service_us"] > 0 and r["asker_us"] > 0 and r["asker_task_us"] > 0 and r["hit_us"] > 0
         assert r["peer_us"] == pytest.approx(r["service_us"] + r["asker_us"])
 
 

@@ -587,6 +587,59 @@ def test_an_object_its_home_cannot_read_goes_to_the_bucket_the_others_come_from_
     assert client._peers[0].down_until == 0.0  # the peer answered right: it stays in use
 
 
+def test_reads_started_as_a_batch_go_as_few_requests_and_count_where_their_bytes_came_from(
+    served: Served,
+) -> None:
+    """The look-ahead's way (``PeerClient.start``: no task per read): reads started in one loop turn go
+    to their home as requests of at most ``per_peer`` objects, each future gets its object's bytes and
+    counts as read from a peer, as the next epoch's when started for it; one the home cannot serve (its
+    identity is not the bucket's) goes to the bucket alone, counted as a fallback and a bucket read."""
+    import asyncio
+
+    from blobdata._metrics import stats as _stats
+
+    objects = served.objects[:7]
+    client = _asking(served, per_peer=4)
+    asked: list[str] = []
+
+    def bucket(url: str) -> Any:
+        async def read() -> tuple[bytes, str]:
+            asked.append(url)
+            return payload(_number(url)), "etag"
+
+        return read
+
+    def slots() -> list[float]:
+        v = _stats.rec()
+        names = ("FROM_PEER", "N_FROM_PEER", "FROM_BUCKET", "N_FROM_BUCKET", "PEER_FALLBACK")
+        return [v[getattr(_stats, n)] for n in names]
+
+    async def reads() -> list[bytes]:
+        futs = []
+        for k, (u, e, n) in enumerate(objects):
+            if k == 2:
+                e = '"not-its-etag"'
+            if k >= 5:  # the last two: read for the next epoch
+                with _stats.for_next_epoch():
+                    futs.append(client.start(0, u, n, e, bucket(u)))
+            else:
+                futs.append(client.start(0, u, n, e, bucket(u)))
+        assert all(f is not None for f in futs)
+        try:
+            return list(await asyncio.gather(*futs))
+        finally:
+            await client.aclose()
+
+    before = slots()
+    got = run(reads(), 60)
+    assert got == [payload(_number(u)) for u, _, _ in objects]
+    assert all(type(g) is bytes for g in got)
+    assert asked == [objects[2][0]] and client._signer._seq == 2  # 4 + 3 objects: two requests
+    counted = [b - a for a, b in zip(before, slots(), strict=True)]
+    assert counted == [4, 2, 1, 0, 1]  # peers now / next epoch, bucket now / next epoch, fallbacks
+    assert not client._rests and client._peers[0].down_until == 0.0
+
+
 def test_the_service_takes_a_node_of_64_processes_at_the_default_per_peer_without_refusing() -> None:
     """8 GPUs of 8 workers each, every process with ``per_peer`` objects in flight to this node: none
     of them is told busy by the per-node bound (the byte bound stays what bounds memory)."""
