@@ -374,7 +374,18 @@ class BlobDatasetBase:
         return await self._await_all(indices, tasks)
 
     async def _await_all(self, indices: list[int], tasks: list[asyncio.Future[Any]]) -> list[Any]:
-        return list(await asyncio.gather(*tasks, return_exceptions=True))  # each result, or its exception
+        """Each task's result, or its exception (as ``gather(..., return_exceptions=True)``), the tasks
+        cancelled with this one; those done already (the look-ahead's, mostly) are not each waited
+        for through a callback and a turn of the loop."""
+        waiting = [t for t in tasks if not t.done()]
+        if waiting:
+            try:
+                await asyncio.wait(waiting)
+            except asyncio.CancelledError:
+                for t in tasks:
+                    t.cancel()
+                raise
+        return [_outcome(t) for t in tasks]
 
     def _not_kept(self, indices: list[int]) -> list[int]:  # what is handed over to new workers
         return not_kept(self, indices)
@@ -479,3 +490,10 @@ class BlobDatasetBase:
                 proc.cache.close()
             proc.close_engine()
 
+
+def _outcome(task: asyncio.Future[Any]) -> Any:
+    """A done task's result, or its exception (a cancelled one's: CancelledError), as gather gives."""
+    if task.cancelled():
+        return asyncio.CancelledError()
+    exc = task.exception()
+    return exc if exc is not None else task.result()
