@@ -520,6 +520,19 @@ def test_a_batch_beyond_the_bounds_is_refused_and_reads_nothing(served: Served) 
     assert _gets(served.proxy) == 2
 
 
+def _bucket_noting(asked: list[str]) -> Any:
+    """A bucket read for each URL (its payload), noting the URL in ``asked`` when it is read."""
+
+    def bucket(url: str) -> Any:
+        async def read() -> tuple[bytes, str]:
+            asked.append(url)
+            return payload(_number(url)), "etag"
+
+        return read
+
+    return bucket
+
+
 def _asking(served: Served, per_peer: int) -> Any:
     from blobdata._peers import PeerClient, PeerTable
 
@@ -562,13 +575,7 @@ def test_an_object_its_home_cannot_read_goes_to_the_bucket_the_others_come_from_
     a, b, c = served.objects[:3]
     client = _asking(served, per_peer=16)
     asked: list[str] = []
-
-    def bucket(url: str) -> Any:
-        async def read() -> tuple[bytes, str]:
-            asked.append(url)
-            return payload(_number(url)), "etag"
-
-        return read
+    bucket = _bucket_noting(asked)
 
     async def reads() -> list[tuple[bytes, bool]]:
         try:
@@ -601,13 +608,7 @@ def test_reads_started_as_a_batch_go_as_few_requests_and_count_where_their_bytes
     objects = served.objects[:7]
     client = _asking(served, per_peer=4)
     asked: list[str] = []
-
-    def bucket(url: str) -> Any:
-        async def read() -> tuple[bytes, str]:
-            asked.append(url)
-            return payload(_number(url)), "etag"
-
-        return read
+    bucket = _bucket_noting(asked)
 
     def slots() -> list[float]:
         v = _stats.rec()
