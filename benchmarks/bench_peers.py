@@ -33,7 +33,15 @@ epoch's first batch went (``iter()`` returning, the batch made in a worker, the 
 the machine's load average.
 
     python benchmarks/bench_peers.py [--nodes 4] [--objects 1200] [--epochs 3] [--step-ms 0]
-        [--persistent-workers] [--per-peer 16] [--lookahead 0] [--json out.json]
+        [--persistent-workers] [--per-peer 16] [--lookahead 0] [--node-prefix CMD] [--json out.json]
+
+``--node-prefix`` runs the last node under a command, for a count this machine's noise does not
+change: its instructions per sample, from two runs that differ only in ``--epochs`` (docs/peers.md),
+
+    --nodes 2 --workers 0 --no-decode --jobs peers --node-prefix \
+        "valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file=/dev/null --log-file=node.txt"
+
+(with ``PYTHONHASHSEED=0``; a run where that slow node hedged reads to the bucket counts more).
 
 A benchmark prints; it asserts nothing (tests/peers/test_bench_peers.py runs it small and checks it).
 """
@@ -45,6 +53,7 @@ import contextlib
 import json
 import os
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -218,8 +227,9 @@ def _run_job(
         path = work / run / f"spec{rank}.json"
         path.write_text(json.dumps(spec))
         log = open(work / run / f"node{rank}.log", "wb")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen([sys.executable, __file__, "--node", str(path)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))  # fmt: skip
+        prefix = shlex.split(args.node_prefix) if rank == args.nodes - 1 else []
+        procs.append((subprocess.Popen([*prefix, sys.executable, __file__, "--node", str(path)], env=env,
+                                       stdout=log, stderr=subprocess.STDOUT), log))  # fmt: skip
         specs.append(spec)
     gets, driver_cpu = [], []
     cpu0 = 0.0
@@ -374,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-decode", action="store_true", help="read bytes only (no JPEG decode, no transform)")
     p.add_argument("--jobs", default=",".join(JOBS))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a job's epoch may take")
+    p.add_argument("--node-prefix", default="", help="a command the last node runs under (valgrind ...)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 

@@ -29,11 +29,14 @@ def _bench(script: str, args: list[str], out: Path, timeout: float) -> tuple[str
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_peers_small(tmp_path: Path) -> None:
+    marker = tmp_path / "prefixed"  # the last node runs under --node-prefix (cachegrind, in docs/peers.md)
     args = [
         "--nodes", "2", "--objects", str(OBJECTS), "--epochs", "2", "--batch-size", "8", "--workers", "0",
         "--no-decode", "--jobs", "peers", "--timeout", "200",
+        "--node-prefix", f"sh -c 'echo $$ > {marker}; exec \"$@\"' node",
     ]  # fmt: skip
     printed, doc = _bench("bench_peers.py", args, tmp_path / "out.json", 280)
+    assert marker.read_text().strip().isdigit()
     assert "from epoch 2 on: bucket GETs / samples: peers" in printed
     first, second = doc["results"][0]["epochs"]
     assert first["samples"] == second["samples"] == OBJECTS
