@@ -357,3 +357,17 @@ def test_gcs_emulator_round_trip_through_gcsfs(gcs_bucket: Any) -> None:
     fs.pipe_file(f"{gcs_bucket.name}/d/put.bin", b"written by gcsfs")
     assert fs.cat_file(f"{gcs_bucket.name}/d/put.bin") == b"written by gcsfs"
     assert time.monotonic() - t0 < 10  # no 60 s stall on the HNS probe
+
+
+def test_a_port_for_a_later_server_is_below_the_ephemeral_range_free_and_never_given_twice() -> None:
+    """tests.support.ports.listen_port: outgoing connections never take it between the choice and the
+    listen (the kernel assigns them ports from the ephemeral range only); each xdist worker draws in a
+    slice of its own; one process is never given the same port twice; and it is free to listen on."""
+    from tests.support.ports import _ephemeral_low, _slice, listen_port
+
+    got = [listen_port() for _ in range(50)]
+    assert len(set(got)) == 50
+    assert all(p in _slice() and p < _ephemeral_low() for p in got)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", got[-1]))
+        s.listen()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,16 +17,11 @@ import pytest
 
 from blobdata._listing import list_flat, list_folder
 from blobdata.testing import SyntheticListServer
+from tests.support.ports import listen_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "split_rank.py"
 RUN_TIMEOUT = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _torchrun(tmp_path: Path, server: SyntheticListServer, mode: str, *extra: str) -> list[dict[str, Any]]:
@@ -48,7 +42,7 @@ def _torchrun(tmp_path: Path, server: SyntheticListServer, mode: str, *extra: st
         "--nproc-per-node=2",
         "--nnodes=1",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={listen_port()}",
         str(SCRIPT),
         mode,
         server.url,
