@@ -86,12 +86,13 @@ def _raw(fh: Any) -> bytes:
     return bytes(fh.read())
 
 
-def _cpu_parts() -> tuple[float, float, float]:
+def _cpu_parts() -> tuple[float, ...]:
     """CPU seconds of this process (the training process, and the peer service where it runs in a
     thread of it), of its DataLoader workers (those reaped, of past epochs, and the live ones:
-    persistent workers) and of its peer service's process."""
+    persistent workers) and of its peer service's process; then the same three's seconds in the kernel
+    (system time: the sockets' and the files' work, which an instruction count does not see)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    workers = service = 0
+    ticks = {"workers": [0, 0], "service": [0, 0]}  # utime, stime (clock ticks)
     children = []
     # Every thread's children: the peer service's process is started from the event loop's thread.
     for task in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
@@ -100,13 +101,20 @@ def _cpu_parts() -> tuple[float, float, float]:
     for child in children:
         with contextlib.suppress(OSError, IndexError, ValueError):  # it may have just exited
             fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks = int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
-            if b"blobdata._peers" in Path(f"/proc/{child}/cmdline").read_bytes():
-                service += ticks
-            else:
-                workers += ticks
+            service = b"blobdata._peers" in Path(f"/proc/{child}/cmdline").read_bytes()
+            part = ticks["service" if service else "workers"]
+            part[0] += int(fields[11])
+            part[1] += int(fields[12])
     tick = os.sysconf("SC_CLK_TCK")
-    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime + workers / tick, service / tick
+    workers, service = ticks["workers"], ticks["service"]
+    return (
+        own.ru_utime + own.ru_stime,
+        kids.ru_utime + kids.ru_stime + sum(workers) / tick,
+        sum(service) / tick,
+        own.ru_stime,
+        kids.ru_stime + workers[1] / tick,
+        service[1] / tick,
+    )
 
 
 def _wait(store: Any, key: str, timeout: float = 600.0) -> None:
@@ -172,11 +180,12 @@ def node_main(spec_path: str) -> int:
             if step_s:
                 time.sleep(step_s)  # the training step (a GPU's): the CPU is free meanwhile
         seconds = time.perf_counter() - t0
-        trainer, workers, service = (b - a for a, b in zip(cpu0, _cpu_parts(), strict=True))
+        trainer, workers, service, *kernel = (b - a for a, b in zip(cpu0, _cpu_parts(), strict=True))
         now = loader.stats()
         out.append({
             "seconds": seconds, "samples": samples, "cpu_s": trainer + workers + service,
             "cpu_trainer_s": trainer, "cpu_workers_s": workers, "cpu_service_s": service,
+            **{f"cpu_{k}_s": v for k, v in zip(_CPU_PARTS[3:], kernel, strict=True)},
             "from_peers": now.samples_from_peers - before.samples_from_peers,
             "from_cache": now.samples_from_cache - before.samples_from_cache,
             "from_bucket": now.samples_from_bucket - before.samples_from_bucket,
@@ -269,6 +278,9 @@ def _run_job(
             "cpu_trainer_s",
             "cpu_workers_s",
             "cpu_service_s",
+            "cpu_kernel_trainer_s",
+            "cpu_kernel_workers_s",
+            "cpu_kernel_service_s",
             "from_peers",
             "from_cache",
             "from_bucket",
@@ -321,15 +333,23 @@ def _run_jobs(args: Any, work: Path, bodies: list[bytes]) -> list[dict[str, Any]
 def _cpu_line(results: list[dict[str, Any]]) -> str:
     """Where the nodes' CPU went, from epoch 2 on: per sample, the training processes, their
     DataLoader workers and the peer services' processes (a service in a thread counts as its training
-    process's)."""
+    process's), and of each, the kernel's part (system time)."""
     parts = []
     for r in results:
         eps = r["epochs"][1:]
         n = sum(ep["samples"] for ep in eps) or 1
-        us = [sum(ep[k] for ep in eps) / n * 1e6 for k in ("cpu_trainer_s", "cpu_workers_s", "cpu_service_s")]
-        parts.append(f"{r['job']} {us[0]:.0f} + {us[1]:.0f} + {us[2]:.0f} = {sum(us):.0f}")
-    return "from epoch 2 on, the nodes' CPU per sample (us), training processes + workers + services: " + (
-        ", ".join(parts))
+        us = [sum(ep[f"cpu_{k}_s"] for ep in eps) / n * 1e6 for k in _CPU_PARTS]
+        parts.append(
+            f"{r['job']} {us[0]:.0f} + {us[1]:.0f} + {us[2]:.0f} = {sum(us[:3]):.0f} "
+            f"(kernel {us[3]:.0f} + {us[4]:.0f} + {us[5]:.0f})"
+        )
+    return (
+        "from epoch 2 on, the nodes' CPU per sample (us), training processes + workers + services "
+        "(of which the kernel's): " + ", ".join(parts)
+    )
+
+
+_CPU_PARTS = ("trainer", "workers", "service", "kernel_trainer", "kernel_workers", "kernel_service")
 
 
 def _waits_line(results: list[dict[str, Any]]) -> str:

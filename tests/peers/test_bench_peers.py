@@ -48,10 +48,12 @@ def test_bench_peers_small(tmp_path: Path) -> None:
     # The peers' latency proxies relay every peer byte in this script's process: their CPU is reported.
     assert "proxies' CPU s" in printed and second["driver_cpu_s"] > 0
     # The nodes' CPU, split: training processes, workers (none here), the services' processes.
-    assert "the nodes' CPU per sample (us), training processes + workers + services: peers" in printed
+    assert "training processes + workers + services (of which the kernel's): peers" in printed
     for ep in (first, second):
         parts = ep["cpu_trainer_s"] + ep["cpu_workers_s"] + ep["cpu_service_s"]
         assert ep["cpu_trainer_s"] > 0 and abs(parts - ep["cpu_s"]) < 1e-6
+        for part in ("trainer", "workers", "service"):  # system time: a part of each
+            assert 0 <= ep[f"cpu_kernel_{part}_s"] <= ep[f"cpu_{part}_s"] + 1e-6
         assert ep["cpu_workers_s"] == 0  # the service's process is not taken for a worker
     # Where the first batch's wait went: iter() returned, the batch was made, the loop had it.
     assert "the first batch per node and epoch" in printed
