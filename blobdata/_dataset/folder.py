@@ -274,6 +274,7 @@ class FolderDataset(ImageFolderContract, BlobDatasetBase, torch.utils.data.Datas
         return (await self._fetch_object(m.url(i), m.size(i), m.identity(i), checked=checked))[0]
 
     def _loads_from_homes(self, proc: ProcessState) -> Callable[[list[int]], list[asyncio.Future[Any]]]:
+        proc.starts_noted = True  # what _cached finds missing is noted whole, by sample (note_homes)
         return functools.partial(start_from_homes, self, proc)
 
     def _objects(self, indices: list[int]) -> Objects:

@@ -75,19 +75,31 @@ async def read_from_home(proc: ProcessState, peers: PeerClient, url: str, size: 
 def start_from_homes(ds: Any, proc: ProcessState, indices: list[int]) -> list[asyncio.Future[Any]]:
     """The look-ahead's reads of ``indices`` (samples of one object each, which this node's cache
     misses) from their homes, started as one batch: each joins the next request to its home without a
-    task of its own (:meth:`~blobdata._peers.PeerClient.start`); where a read cannot start so, a task
-    reads it as :func:`read_from_home` does. Each future gets the object's bytes."""
-    peers, homes = proc.peers, proc.homes
+    task of its own (:meth:`~blobdata._peers.PeerClient.start`), from what the look-ahead noted when
+    it found it missing (:func:`note_homes`: the object and its home, not looked up again); where a
+    read cannot start so, a task reads it as :func:`read_from_home` does. Each future gets the
+    object's bytes."""
+    peers, noted = proc.peers, proc.noted
     assert peers is not None
-    objects = ds._objects(indices)
+    notes = [noted.pop(i, None) for i in indices]
+    lost = [i for i, note in zip(indices, notes, strict=True) if note is None]
+    if lost:  # not noted (the notes started again meanwhile): from the listing, each home scored alone
+        objects = ds._objects(lost)
+        found = iter(zip(objects.urls, objects.sizes, objects.ids, strict=True))
     fetch = proc.engine.fetch
     out: list[asyncio.Future[Any]] = []
-    for i, url, size, identity in zip(indices, objects.urls, objects.sizes, objects.ids, strict=True):
+    for i, note in zip(indices, notes, strict=True):
+        if note is None:
+            url, size, identity = next(found)
+            home = peers.home_of(url) if identity and size >= 0 else -1
+        else:
+            url, size, identity, home = note
         fut = None
-        if identity and size >= 0:
-            home = homes.pop(url, None)
+        if home >= 0:
             bucket = functools.partial(fetch, url, size=size, identity=identity)
-            fut = peers.start(peers.home_of(url) if home is None else home, url, size, identity, bucket)
+            fut = peers.start(home, url, size, identity, bucket)
+            if fut is None:  # read in a task: its read_from_home takes the home scored here
+                proc.homes[url] = home
         out.append(fut if fut is not None else asyncio.ensure_future(ds._load(i, checked=True)))
     return out
 
@@ -96,18 +108,30 @@ def note_homes(proc: ProcessState, objects: Objects, found: list[bool], limit: i
     """The homes of ``objects`` the look-ahead found missing from the cache (``found``) and will read
     from their homes (their identity and size known: :func:`read_from_home`), scored as one batch
     (:meth:`~blobdata._peers.Homes.homes_of`) for their reads to take (one object scored alone costs
-    1.2 us and 0.4 us per node, 10 us from 24 nodes). Past ``limit`` entries (reads given up, or
-    answered by the cache after all) the notes start again."""
+    1.2 us and 0.4 us per node, 10 us from 24 nodes). Where the look-ahead starts its reads from the
+    notes (``proc.starts_noted``: samples of one object each), they are noted whole, by sample
+    (``proc.noted``, for :func:`start_from_homes`); else each object's home by URL (``proc.homes``,
+    for :func:`read_from_home`: a mixture's sources, BlobDataset). Past ``limit`` entries (reads given
+    up, or answered by the cache after all) the notes start again."""
     peers = proc.peers
     if peers is None:
         return
-    known = zip(objects.urls, objects.ids, objects.sizes, found, strict=True)
-    urls = [u for u, e, n, f in known if not f and e and n >= 0]
-    if not urls:
+    ids, sizes = objects.ids, objects.sizes
+    known = [k for k, f in enumerate(found) if not f and ids[k] and sizes[k] >= 0]
+    if not known:
+        return
+    urls = [objects.urls[k] for k in known]
+    homes = peers.homes.homes_of(urls).tolist()
+    if proc.starts_noted and objects.offsets is None:
+        noted, rows = proc.noted, objects.rows
+        if len(noted) > limit:
+            noted.clear()
+        for k, url, home in zip(known, urls, homes, strict=True):
+            noted[rows[k]] = (url, sizes[k], ids[k], home)
         return
     if len(proc.homes) > limit:
         proc.homes.clear()
-    proc.homes.update(zip(urls, peers.homes.homes_of(urls).tolist(), strict=True))
+    proc.homes.update(zip(urls, homes, strict=True))
 
 
 def not_kept(ds: Any, indices: list[int]) -> list[int]:

@@ -94,6 +94,11 @@ class ProcessState:
         #: Homes of objects the look-ahead found missing and is fetching, scored as one batch when it
         #: looked them up (:func:`~blobdata._dataset.peering.note_homes`); each read takes its own.
         self.homes: dict[str, int] = {}
+        #: The same by sample, where the look-ahead starts its misses' reads from the notes
+        #: (``starts_noted``: a FolderDataset's, one object a sample): the object's URL, size, identity
+        #: and home (not looked up in the listing again).
+        self.noted: dict[int, tuple[str, int, str, int]] = {}
+        self.starts_noted = False
         self.lookahead: LookAhead | None = None
         self.built: BuiltAhead | None = None  # the next epoch's first batch, built while idle
         self.handing: concurrent.futures.Future[None] | None = None  # fetches for the next workers
