@@ -376,13 +376,14 @@ def note_get(seconds: float, nbytes: int) -> None:
     v[_HIST0 + min(b, _BUCKETS - 1)] += 1
 
 
-def note_peer(seconds: float, nbytes: int) -> None:
-    """A peer answered a read in ``seconds`` with ``nbytes`` accepted (called on the loop thread)."""
+def note_peer(seconds: float, nbytes: int, reads: int = 1) -> None:
+    """A peer answered ``reads`` reads (one request) in ``seconds`` with ``nbytes`` accepted in all;
+    each read counts as answered in ``seconds`` (called on the loop thread)."""
     v = rec()
-    v[PEER_S] += seconds
+    v[PEER_S] += seconds * reads
     v[BYTES_PEER] += nbytes
     b = int(math.log2(seconds / _PBASE_S) * 2) if seconds > _PBASE_S else 0
-    v[_PHIST0 + min(b, _PBUCKETS - 1)] += 1
+    v[_PHIST0 + min(b, _PBUCKETS - 1)] += reads
 
 
 def note_retry(kind: str) -> None:

@@ -28,6 +28,7 @@ import collections
 import functools
 import hmac
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -144,7 +145,21 @@ Bucket = Callable[[], Awaitable[tuple[bytes, str]]]
 
 
 def _query(url: str, identity: str, size: int) -> str:
-    return f"u={quote(url, safe=_SAFE)}&e={quote(identity, safe=_SAFE)}&n={size}"
+    return f"u={_quoted(url)}&e={_quoted(identity)}&n={size}"
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.~/:-]")  # what quote(text, safe=_SAFE) rewrites in ASCII text
+
+
+def _escape(m: re.Match[str]) -> str:
+    return f"%{ord(m.group()):02X}"
+
+
+def _quoted(text: str) -> str:
+    """``quote(text, safe=_SAFE)``: for ASCII text in one C scan, rewriting only what needs it
+    (urllib's rewrites the whole text byte by byte in Python where any byte needs it: an ETag's
+    quotes, 2.2 us against 1.2)."""
+    return _UNSAFE.sub(_escape, text) if text.isascii() else quote(text, safe=_SAFE)
 
 
 class PeerClient:
@@ -386,9 +401,9 @@ class PeerClient:
             return None
         peer.timed(seconds, cold)
         if peer is not self._peers[self.me]:
-            for data in out:
-                if data is not None:
-                    _stats.note_peer(seconds, len(data))
+            got = [len(data) for data in out if data is not None]
+            if got:
+                _stats.note_peer(seconds, sum(got), len(got))
         return out
 
     @staticmethod

@@ -279,3 +279,22 @@ def test_an_answer_whose_table_does_not_match_its_bytes_or_the_request_is_refuse
     }
     for why, (table, body, sizes) in wrong.items():
         assert _split(table, body, sizes) == (None, False), why
+
+
+def test_a_requests_fields_are_quoted_as_urllib_quotes_them() -> None:
+    """The client's own quoting of a URL and an identity gives urllib's ``quote(text, safe="/:")``
+    exactly (the oracle), for every ASCII character alone and in random texts, and for text beyond
+    ASCII; the service's ``unquote`` gives the text back."""
+    import random
+    from urllib.parse import quote, unquote
+
+    from blobdata._peers.client import _quoted
+
+    rng = random.Random(7)
+    alphabet = [chr(c) for c in range(128)] + ["é", "日", "\U0001f600"]
+    texts = [chr(c) for c in range(128)] + [URL, IDENT, "", "s3://b/a b/100%.jpg", 'W/"x"', "%2F&e=1"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40))) for _ in range(2000)]
+    for text in texts:
+        got = _quoted(text)
+        assert got == quote(text, safe="/:"), text
+        assert unquote(got, errors="strict") == text

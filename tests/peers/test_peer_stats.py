@@ -31,6 +31,23 @@ def _peer_answers(t: np.ndarray, seconds: float, n: int) -> None:
         _stats._rec.v = saved
 
 
+def test_a_request_of_several_reads_counts_as_that_many_answers() -> None:
+    """The client notes a request's answer once for all its reads: the same counts, latency sum and
+    histogram as each read noted alone."""
+    alone, together = _totals(), _totals()
+    saved = _stats._rec.v
+    try:
+        for seconds in (0.0004, 0.002, 0.08, 3.0):
+            _stats._rec.v = memoryview(alone)  # type: ignore[assignment]
+            for _ in range(16):
+                _stats.note_peer(seconds, 1000)
+            _stats._rec.v = memoryview(together)  # type: ignore[assignment]
+            _stats.note_peer(seconds, 16_000, 16)
+    finally:
+        _stats._rec.v = saved
+    assert np.allclose(alone, together) and together[_stats.BYTES_PEER] == 64_000
+
+
 def test_peer_reads_are_counted_apart_and_summarised() -> None:
     t = _totals(SERVED=1000, BATCHES=10, FROM_CACHE=250, FROM_PEER=740, FROM_BUCKET=10, PEER_FALLBACK=10,
                 PEER_HEDGED=4, PEER_WRONG=1, PEER_SERVED=700, PEER_SERVED_BYTES=7e5, PEER_SERVED_FETCHED=3,
