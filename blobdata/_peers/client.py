@@ -456,7 +456,9 @@ async def _race(
         raise
 
 
-def _split(table: str, body: bytes | bytearray, sizes: list[int]) -> tuple[list[bytes | None] | None, bool]:
+def _split(
+    table: str, body: bytes | bytearray | memoryview, sizes: list[int]
+) -> tuple[list[bytes | None] | None, bool]:
     """Each object's bytes from an answer's ``body`` as its ``table`` says (None for ``-``: the bucket
     refused it), checked against the ``sizes`` asked and its checksum; and whether any was read from
     the bucket first. ``(None, False)`` for an answer that is wrong in any way."""

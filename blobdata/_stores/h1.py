@@ -148,7 +148,7 @@ class H1Pool:
 
         ``max_body``: the most bytes a 2xx body may have (a larger one is :class:`BadResponse`, no
         buffer made for it); ``ranged``: ``headers`` ask for a range, so only a 206 is a success;
-        ``as_buffer``: a 2xx body is left in the bytearray it was received into (``Response.buffer``,
+        ``as_buffer``: a 2xx body is left in the buffer it was received into (``Response.buffer``,
         ``body`` empty), for a caller that copies its parts out anyway."""
         loop = self._loop
         deadline = loop.time() + timeout

@@ -17,6 +17,8 @@ import asyncio
 import re
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "ERROR_BODY_CAP",
     "MAX_BODY",
@@ -41,6 +43,7 @@ MAX_BODY = 1 << 30  # bytes of a 2xx body when the caller gives no bound (it alw
 # the body bytes that share a read with the head are copied.
 _READ_SIZE = 16 * 1024
 _HEX_RE = re.compile(r"[0-9A-Fa-f]{1,15}")
+_NO_VIEW = memoryview(b"")  # no body being received into a buffer
 TARGET_RE = re.compile(r"/[^\s]*")
 _VERSIONS = ("HTTP/1.1", "HTTP/1.0")
 _HEAD, _LENGTH, _CHUNKED, _UNTIL_CLOSE, _DONE = range(5)
@@ -100,7 +103,7 @@ class Response:
         headers: Headers,
         body: bytes,
         content_length: int | None,
-        buffer: bytearray | None = None,
+        buffer: bytearray | memoryview | None = None,
     ) -> None:
         self.status, self.headers, self.body, self.content_length = status, headers, body, content_length
         self.buffer = buffer
@@ -116,8 +119,8 @@ class Conn(asyncio.BufferedProtocol):
         self.fut: asyncio.Future[Response] | None = None
         self.state = _DONE
         self.head = bytearray()
-        self.body = bytearray()
-        self.view = memoryview(self.body)
+        self.body = bytearray()  # a chunked or close-delimited body
+        self.view = _NO_VIEW  # a body of known length (Content-Length), received into it
         self.got = self.need = 0  # body bytes received / wanted (Content-Length mode)
         self.max_body = MAX_BODY  # the most bytes a 2xx body of the current request may have
         self.ranged = False  # the current request asked for a range: 206 expected, 200 refused
@@ -191,7 +194,7 @@ class Conn(asyncio.BufferedProtocol):
     ) -> None:
         """Write ``request``; its response goes to ``fut``. ``max_body``: the most bytes a 2xx body
         may have; ``ranged``: the request asked for a range (a 200 is refused, a 206 expected);
-        ``as_buffer``: a 2xx body is given as the bytearray it was received into (``Response.buffer``)."""
+        ``as_buffer``: a 2xx body is given as the buffer it was received into (``Response.buffer``)."""
         assert self.transport is not None
         self.fut, self.state, self.got, self.extra = fut, _HEAD, 0, 0
         self.max_body, self.ranged, self.as_buffer = max_body, ranged, as_buffer
@@ -236,7 +239,7 @@ class Conn(asyncio.BufferedProtocol):
                 self._feed(rest)
         elif state == _LENGTH:  # the body bytes that came with the head
             n = min(len(data), self.need - self.got)
-            self.body[self.got : self.got + n] = data[:n]
+            self.view[self.got : self.got + n] = data[:n]
             self.got += n
             if len(data) > n:
                 self.keep_alive = False  # bytes beyond the body: the stream is out of step
@@ -317,8 +320,9 @@ class Conn(asyncio.BufferedProtocol):
                 f"Content-Length {self.need} is more than the {self.max_body} bytes asked for",
                 self.need, Headers(headers),
             )  # fmt: skip
-        self.body = bytearray(self.need)
-        self.view = memoryview(self.body)
+        # Received straight into this, and every byte of it is written before it is read (_finish at
+        # got == need): not zeroed first (bytearray(n) would write the whole body once more).
+        self.view = np.empty(self.need, np.uint8).data
         self.state = _LENGTH
         if self.need == 0:
             self._finish()
@@ -379,7 +383,10 @@ class Conn(asyncio.BufferedProtocol):
                 raise BadResponse(f"the chunked body runs past the {cap} bytes asked for")
 
     def _finish(self) -> None:
-        received, self.body = self.body, bytearray()
+        received: bytearray | memoryview = self.body
+        if self.state == _LENGTH:
+            received, self.view = self.view, _NO_VIEW
+        self.body = bytearray()
         self.state = _DONE
         if self.as_buffer and self.status < 300:  # the caller cuts it up: no copy of the whole here
             resp = Response(self.status, Headers(self.headers), b"", self.length, received)
