@@ -111,8 +111,9 @@ def note_homes(proc: ProcessState, objects: Objects, found: list[bool], limit: i
     1.2 us and 0.4 us per node, 10 us from 24 nodes). Where the look-ahead starts its reads from the
     notes (``proc.starts_noted``: samples of one object each), they are noted whole, by sample
     (``proc.noted``, for :func:`start_from_homes`); else each object's home by URL (``proc.homes``,
-    for :func:`read_from_home`: a mixture's sources, BlobDataset). Past ``limit`` entries (reads given
-    up, or answered by the cache after all) the notes start again."""
+    for :func:`read_from_home`: a mixture's sources, BlobDataset, and the reads start_from_homes
+    hands to a task). Past ``limit`` entries (reads given up, or answered by the cache after all)
+    either notes start again."""
     peers = proc.peers
     if peers is None:
         return
@@ -122,6 +123,8 @@ def note_homes(proc: ProcessState, objects: Objects, found: list[bool], limit: i
         return
     urls = [objects.urls[k] for k in known]
     homes = peers.homes.homes_of(urls).tolist()
+    if len(proc.homes) > limit:
+        proc.homes.clear()
     if proc.starts_noted and objects.offsets is None:
         noted, rows = proc.noted, objects.rows
         if len(noted) > limit:
@@ -129,8 +132,6 @@ def note_homes(proc: ProcessState, objects: Objects, found: list[bool], limit: i
         for k, url, home in zip(known, urls, homes, strict=True):
             noted[rows[k]] = (url, sizes[k], ids[k], home)
         return
-    if len(proc.homes) > limit:
-        proc.homes.clear()
     proc.homes.update(zip(urls, homes, strict=True))
 
 

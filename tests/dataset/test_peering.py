@@ -59,9 +59,14 @@ def test_where_the_look_ahead_starts_reads_from_its_notes_each_sample_is_noted_w
     objects = Objects(rows[24:36], None, urls[24:36], [1] * 12, ["e"] * 12)
     note_homes(proc, objects, [False] * 12, limit=20)  # type: ignore[arg-type]
     assert set(proc.noted) == set(rows[24:36])  # past the bound: started again
+    # The homes start_from_homes leaves for the reads it hands to a task are bounded too (a task
+    # given up before its read_from_home leaves its home behind).
+    proc.homes.update((f"s3://b/left/{k}", 1) for k in range(31))
+    note_homes(proc, Objects([1], None, urls[:1], [1], ["e"]), [False], limit=30)  # type: ignore[arg-type]
+    assert not proc.homes and 1 in proc.noted
     several = Objects([7, 8], [0, 2, 3], urls[36:39], [1, 1, 1], ["e"] * 3)
     note_homes(proc, several, [False] * 3, limit=30)  # type: ignore[arg-type]
-    assert proc.homes == {u: client.home_of(u) for u in urls[36:39]} and set(proc.noted) == set(rows[24:36])
+    assert proc.homes == {u: client.home_of(u) for u in urls[36:39]} and set(proc.noted) == {*rows[24:36], 1}
 
 
 def test_a_read_takes_its_note_and_scores_no_home_itself() -> None:
