@@ -625,7 +625,8 @@ def test_reads_started_as_a_batch_go_as_few_requests_and_count_where_their_bytes
     def slots() -> list[float]:
         v = _stats.rec()
         names = ("FROM_PEER", "N_FROM_PEER", "FROM_BUCKET", "N_FROM_BUCKET", "PEER_FALLBACK")
-        return [v[getattr(_stats, n)] for n in names]
+        answers = sum(v[_stats._PHIST0 + b] for b in range(_stats._PBUCKETS))
+        return [*(v[getattr(_stats, n)] for n in names), answers, v[_stats.BYTES_PEER]]
 
     async def reads() -> list[bytes]:
         futs = []
@@ -649,7 +650,9 @@ def test_reads_started_as_a_batch_go_as_few_requests_and_count_where_their_bytes
     assert all(type(g) is bytes for g in got)
     assert asked == [objects[2][0]] and client._signer._seq == 2  # 4 + 3 objects: two requests
     counted = [b - a for a, b in zip(before, slots(), strict=True)]
-    assert counted == [4, 2, 1, 0, 1]  # peers now / next epoch, bucket now / next epoch, fallbacks
+    assert counted[:5] == [4, 2, 1, 0, 1]  # peers now / next epoch, bucket now / next epoch, fallbacks
+    # Each peer answer is in the latency histogram and the peer bytes once (noted per request).
+    assert counted[5:] == [6, sum(len(g) for k, g in enumerate(got) if k != 2)]
     assert not client._rests and client._peers[0].down_until == 0.0
 
 
